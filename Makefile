@@ -1,0 +1,114 @@
+# hakmem — one entry point for build and test. `make help` lists the targets.
+# Quiet unless V=1; every output goes under build/.
+
+BUILD   ?= build
+CC      ?= cc
+CXX     ?= c++
+V       ?= 0
+Q       := $(if $(filter 1,$(V)),,@)
+
+SRC_DIR := allocator/src
+INC_DIR := allocator/include
+TST_DIR := allocator/tests
+
+SRCS    := $(sort $(wildcard $(SRC_DIR)/*.c))
+HDRS    := $(wildcard $(SRC_DIR)/*.h) $(INC_DIR)/hakmem.h
+
+# Flags the allocator needs to be correct, not just fast: it must not let the
+# compiler turn its own code into calls to malloc/memset of itself, must keep
+# internals out of the dynamic symbol table, and must use initial-exec TLS so
+# that reaching the thread cache never calls __tls_get_addr (which allocates).
+ALLOC_CFLAGS := -std=gnu11 -fPIC -fvisibility=hidden -ftls-model=initial-exec \
+  -fno-builtin-malloc -fno-builtin-free -fno-builtin-calloc -fno-builtin-realloc \
+  -fno-stack-protector -fno-plt -Wall -Wextra -Wshadow -Wstrict-prototypes \
+  -Wno-unused-parameter -I$(INC_DIR) -I$(SRC_DIR) -pthread
+RELEASE_CFLAGS := -O2 -g -DNDEBUG
+DEBUG_CFLAGS   := -O1 -g -DHK_DEBUG=1 -fno-omit-frame-pointer
+LDLIBS_ALLOC   := -pthread
+
+REL_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/obj/%.o)
+DBG_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/debug/obj/%.o)
+
+TEST_SRCS := $(sort $(wildcard $(TST_DIR)/test_*.c))
+TEST_CXX  := $(sort $(wildcard $(TST_DIR)/test_*.cc))
+TEST_NAMES := $(TEST_SRCS:$(TST_DIR)/%.c=%) $(TEST_CXX:$(TST_DIR)/%.cc=%)
+REL_TESTS := $(TEST_NAMES:%=$(BUILD)/tests/%)
+DBG_TESTS := $(TEST_NAMES:%=$(BUILD)/debug/tests/%)
+TEST_CFLAGS := -std=gnu11 -O1 -g -Wall -Wextra -Wno-unused-parameter -I$(INC_DIR) -I$(TST_DIR) -pthread \
+  -fno-builtin-malloc -fno-builtin-free -fno-builtin-calloc -fno-builtin-realloc
+TEST_CXXFLAGS := -std=gnu++17 -O1 -g -Wall -Wextra -I$(INC_DIR) -I$(TST_DIR) -pthread
+
+.PHONY: all lib debug tests test clean help
+
+all: lib debug ## build libhakmem.so/.a (release) and build/debug/ (asserts, -O1)
+
+lib: $(BUILD)/libhakmem.so $(BUILD)/libhakmem.a ## release build only
+
+debug: $(BUILD)/debug/libhakmem.so $(BUILD)/debug/libhakmem.a ## debug/check build only
+
+$(BUILD)/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) $(ALLOC_CFLAGS) $(RELEASE_CFLAGS) -c $< -o $@
+
+$(BUILD)/debug/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) $(ALLOC_CFLAGS) $(DEBUG_CFLAGS) -c $< -o $@
+
+$(BUILD)/libhakmem.so: $(REL_OBJS)
+	@$(if $(Q),echo "  LD      $@")
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
+
+$(BUILD)/debug/libhakmem.so: $(DBG_OBJS)
+	@$(if $(Q),echo "  LD      $@")
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
+
+$(BUILD)/libhakmem.a: $(REL_OBJS)
+	@$(if $(Q),echo "  AR      $@")
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/debug/libhakmem.a: $(DBG_OBJS)
+	@$(if $(Q),echo "  AR      $@")
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+# Tests link the static library, so malloc/free in the test binary are
+# hakmem's without any preload, and hk_* calls resolve directly.
+$(BUILD)/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(BUILD)/libhakmem.a
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  TEST    $@")
+	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/libhakmem.a -pthread
+
+$(BUILD)/debug/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(BUILD)/debug/libhakmem.a
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  TEST    $@")
+	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
+
+$(BUILD)/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(BUILD)/libhakmem.a
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  TEST    $@")
+	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/libhakmem.a -pthread
+
+$(BUILD)/debug/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(BUILD)/debug/libhakmem.a
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  TEST    $@")
+	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
+
+tests: all $(REL_TESTS) $(DBG_TESTS) ## build the C/C++ test programs (release and debug)
+
+test: deps tests ## install what tests need, build, run every test (C, stress, real programs, memcheck)
+	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
+
+.PHONY: demo
+demo: deps lib ## build, then run python3 and sqlite3 with hakmem preloaded and show its statistics
+	$(Q)tools/demo.sh $(BUILD)
+
+.PHONY: deps
+deps: ## install the Debian packages the build and tests need (root, once)
+	$(Q)tools/install-deps.sh
+
+clean: ## remove build/
+	$(Q)rm -rf $(BUILD)
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## /  \1\t/' | expand -t 14

@@ -1,0 +1,355 @@
+/* alloc.c — the public allocation API: fast paths and their slow paths.
+ *
+ * The fast paths touch only the calling thread's cache (TLS, initial-exec):
+ * no locks, no atomics, no syscalls, no shared-memory writes. Everything
+ * else — first use by a thread, empty or full caches, policy changes, huge
+ * objects, misuse — falls through one unlikely branch into a noinline slow
+ * path.
+ */
+#define _GNU_SOURCE
+#include <malloc.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+#include "prim.h"
+
+/* ---- fast paths ----------------------------------------------------------------
+ * malloc of a small size compiles to about 12 instructions with one test:
+ * the class lookup, load head, test, load next, store head, count-1, allocs+1.
+ * free is about 20: map byte, page class, block-boundary test, capacity test,
+ * push. Class 0 (huge sizes, pages without a slab) has an empty bin with
+ * capacity 0, so those cases reach the slow paths through the same tests.
+ */
+HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
+  hk_bin_t* bin = &_hk_tc.bin[cls];
+  void* p = bin->head;
+  if (HK_UNLIKELY(p == NULL)) return _hk_malloc_slow(n, cls);
+  bin->head = *(void**)p;
+  bin->count--;
+  bin->allocs++;
+  return p;
+}
+
+HK_INLINE void free_fast(void* p) {
+  if (HK_UNLIKELY(_hk_map_kind(p) != HK_MAP_SEGMENT)) { _hk_free_slow(p); return; }
+  hk_segment_t* seg = _hk_segment_of(p);
+  unsigned page = _hk_page_of(p);
+  unsigned cls = seg->page_class[page];
+  hk_bin_t* bin = &_hk_tc.bin[cls];
+  if (HK_UNLIKELY(!_hk_is_block_start(seg, page, cls, p) || bin->count >= bin->cap ||
+                  p == bin->head)) {
+    _hk_free_slow(p);
+    return;
+  }
+  *(void**)p = bin->head;
+  bin->head = p;
+  bin->count++;
+}
+
+/* ---- slow paths ---------------------------------------------------------------- */
+static hk_tcache_t* tcache_slow(void) {
+  hk_tcache_t* tc = &_hk_tc;
+  if (HK_UNLIKELY(tc->state == HK_TC_NEW)) _hk_tcache_setup();
+  else if (tc->state == HK_TC_ACTIVE && tc->policy_version != _hk_policy_current_version())
+    _hk_tcache_apply_policy(tc);
+  return tc;
+}
+
+/* Idle classes give their cached blocks back every drain interval. Checked
+ * on the slow path only, with the cheapest clock. */
+static void maybe_gc(hk_tcache_t* tc) {
+  uint32_t ms = _hk_drain_ms();
+  if (ms == 0) return;
+  uint64_t now = _hk_os_now_coarse_ns();
+  if (now - tc->last_gc_ns < (uint64_t)ms * 1000000u) return;
+  tc->last_gc_ns = now;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    hk_bin_t* bin = &tc->bin[cls];
+    if (bin->count && bin->allocs == tc->gc_allocs[cls]) {
+      _hk_drain(tc, cls, bin->count);
+      bin->fill = 0;   /* back to a slow start */
+    }
+    tc->gc_allocs[cls] = bin->allocs;
+  }
+}
+
+HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
+  if (cls == 0) {
+    /* Before initialization the small-size table reads all zero. */
+    if (!_hk_initialized) { _hk_init(); cls = _hk_class_of(n); }
+    if (cls == 0) {
+      if (n > PTRDIFF_MAX) { errno = ENOMEM; return NULL; }
+      return _hk_huge_alloc(n, 0, false);
+    }
+  }
+  hk_tcache_t* tc = tcache_slow();
+  hk_bin_t* bin = &tc->bin[cls];
+  void* p;
+  if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || bin->cap == 0)) {
+    p = _hk_alloc_direct(cls);
+  } else if (bin->head) {             /* refilled while applying a policy */
+    p = bin->head;
+    bin->head = *(void**)p;
+    bin->count--;
+    bin->allocs++;
+  } else {
+    p = _hk_refill(tc, cls);
+    maybe_gc(tc);
+  }
+  if (HK_UNLIKELY(!p)) errno = ENOMEM;
+  return p;
+}
+
+/* Resolves p to (segment, page, class) or reports why it is not ours. */
+static unsigned owner_or_die(void* p, hk_segment_t** seg_out, unsigned* page_out) {
+  hk_segment_t* seg = _hk_segment_of(p);
+  unsigned page = _hk_page_of(p);
+  unsigned cls = seg->page_class[page];
+  if (cls == 0) _hk_invalid_free(p, "not inside an allocated slab");
+  if (!_hk_is_block_start(seg, page, cls, p)) _hk_invalid_free(p, "not the start of a block");
+  *seg_out = seg;
+  *page_out = page;
+  return cls;
+}
+
+HK_NOINLINE void _hk_free_slow(void* p) {
+  if (p == NULL) return;
+  unsigned kind = _hk_map_kind(p);
+  if (kind == HK_MAP_HUGE) { _hk_huge_free(p); return; }
+  if (kind != HK_MAP_SEGMENT) _hk_invalid_free(p, "not allocated by hakmem");
+  hk_segment_t* seg;
+  unsigned page;
+  unsigned cls = owner_or_die(p, &seg, &page);
+  hk_tcache_t* tc = tcache_slow();
+  hk_bin_t* bin = &tc->bin[cls];
+  if (p == bin->head) _hk_invalid_free(p, "double free");
+  if (tc->state != HK_TC_ACTIVE || bin->cap == 0) {
+    _hk_free_direct(p, seg, page, cls);
+    return;
+  }
+  if (bin->count >= bin->cap) {
+    uint32_t n = bin->batch;
+    if (n < bin->count - bin->cap + 1) n = bin->count - bin->cap + 1;
+    _hk_drain(tc, cls, n);
+  }
+  *(void**)p = bin->head;
+  bin->head = p;
+  bin->count++;
+  maybe_gc(tc);
+}
+
+/* ---- aligned ------------------------------------------------------------------- */
+/* A class whose blocks all satisfy `align`: slabs start 64 KiB-aligned, so a
+ * block size that is a multiple of align (<= 64 KiB) keeps every block
+ * aligned. Returns 0 when the request must go to a huge mapping. */
+static unsigned aligned_class(size_t n, size_t align) {
+  if (align > HK_PAGE_SIZE) return 0;
+  unsigned cls = _hk_class_of(n < align ? align : n);
+  while (cls != 0 && cls < HK_NUM_CLASSES && _hk_class[cls].size % align != 0) cls++;
+  return cls < HK_NUM_CLASSES ? cls : 0;
+}
+
+static void* alloc_aligned(size_t align, size_t n) {
+  if (align <= HK_MIN_ALIGN) {
+    unsigned cls = _hk_class_of(n);
+    return alloc_cls(cls, n);
+  }
+  if (!_hk_initialized) _hk_init();
+  if (n > PTRDIFF_MAX - align) { errno = ENOMEM; return NULL; }
+  unsigned cls = aligned_class(n, align);
+  if (cls) return alloc_cls(cls, n);
+  return _hk_huge_alloc(n, align, false);
+}
+
+static size_t usable_size(void* p) {
+  unsigned kind = _hk_map_kind(p);
+  if (kind == HK_MAP_HUGE) return _hk_huge_usable(p);
+  if (kind != HK_MAP_SEGMENT) _hk_invalid_free(p, "not allocated by hakmem");
+  hk_segment_t* seg;
+  unsigned page;
+  return _hk_class[owner_or_die(p, &seg, &page)].size;
+}
+
+/* ---- the API ------------------------------------------------------------------- */
+HK_EXPORT void* malloc(size_t n) {
+  return alloc_cls(_hk_class_of(n), n);
+}
+
+HK_EXPORT void free(void* p) { free_fast(p); }
+
+HK_EXPORT void free_sized(void* p, size_t n) { free_fast(p); }
+
+HK_EXPORT void free_aligned_sized(void* p, size_t align, size_t n) { free_fast(p); }
+
+HK_EXPORT void cfree(void* p) { free_fast(p); }
+
+HK_EXPORT void* calloc(size_t count, size_t size) {
+  size_t n;
+  if (HK_UNLIKELY(__builtin_mul_overflow(count, size, &n))) { errno = ENOMEM; return NULL; }
+  unsigned cls = _hk_class_of(n);
+  if (HK_UNLIKELY(cls == 0) && !_hk_initialized) { _hk_init(); cls = _hk_class_of(n); }
+  if (HK_UNLIKELY(cls == 0)) {
+    if (n > PTRDIFF_MAX) { errno = ENOMEM; return NULL; }
+    return _hk_huge_alloc(n, 0, true);   /* fresh mappings are already zero */
+  }
+  void* p = alloc_cls(cls, n);
+  if (HK_LIKELY(p)) memset(p, 0, n);
+  return p;
+}
+
+HK_EXPORT void* realloc(void* p, size_t n) {
+  if (p == NULL) return malloc(n);
+  if (n == 0) { free(p); return NULL; }   /* glibc: realloc(p, 0) frees */
+  size_t old;
+  unsigned kind = _hk_map_kind(p);
+  if (kind == HK_MAP_HUGE) {
+    if (n > HK_MAX_CLASS_SIZE) {
+      if (_hk_huge_realloc(p, n)) return p;
+    }
+    old = _hk_huge_usable(p);
+  } else {
+    old = usable_size(p);     /* reports a pointer that is not ours */
+    /* Fits, and not so much smaller that keeping the block wastes memory. */
+    if (n <= old && (n > old / 2 || old <= 32)) return p;
+  }
+  if (n > PTRDIFF_MAX) { errno = ENOMEM; return NULL; }
+  void* q = malloc(n);
+  if (!q) return NULL;
+  memcpy(q, p, n < old ? n : old);
+  free(p);
+  return q;
+}
+
+HK_EXPORT void* reallocarray(void* p, size_t count, size_t size) {
+  size_t n;
+  if (__builtin_mul_overflow(count, size, &n)) { errno = ENOMEM; return NULL; }
+  return realloc(p, n);
+}
+
+HK_EXPORT int posix_memalign(void** out, size_t align, size_t n) {
+  if (align < sizeof(void*) || (align & (align - 1)) != 0) return EINVAL;
+  int saved = errno;
+  void* p = alloc_aligned(align, n);
+  if (!p) { errno = saved; return ENOMEM; }
+  *out = p;
+  return 0;
+}
+
+/* glibc rounds a non-power-of-two alignment up; so do we. */
+static size_t fix_align(size_t align) {
+  if (align <= HK_MIN_ALIGN) return HK_MIN_ALIGN;
+  if ((align & (align - 1)) == 0) return align;
+  if (align > ((size_t)1 << 62)) return 0;
+  return (size_t)1 << (64 - __builtin_clzll(align));
+}
+
+HK_EXPORT void* memalign(size_t align, size_t n) {
+  align = fix_align(align);
+  if (!align) { errno = EINVAL; return NULL; }
+  return alloc_aligned(align, n);
+}
+
+HK_EXPORT void* aligned_alloc(size_t align, size_t n) { return memalign(align, n); }
+
+HK_EXPORT void* valloc(size_t n) { return alloc_aligned(HK_OS_PAGE, n); }
+
+HK_EXPORT void* pvalloc(size_t n) {
+  if (n > PTRDIFF_MAX) { errno = ENOMEM; return NULL; }
+  n = n ? (n + HK_OS_PAGE - 1) & ~(size_t)(HK_OS_PAGE - 1) : HK_OS_PAGE;
+  return alloc_aligned(HK_OS_PAGE, n);
+}
+
+HK_EXPORT size_t malloc_usable_size(void* p) {
+  if (p == NULL) return 0;
+  return usable_size(p);
+}
+
+/* ---- glibc extras -------------------------------------------------------------- */
+/* Accepted and ignored: glibc's knobs (arenas, mmap threshold, ...) have no
+ * meaning here, and programs that set them expect success. */
+HK_EXPORT int mallopt(int param, int value) { return 1; }
+
+HK_EXPORT int malloc_trim(size_t pad) {
+  if (!_hk_initialized) return 0;
+  hk_thread_flush();
+  bool any = _hk_trim_warm();
+  any |= _hk_segment_trim();
+  any |= _hk_huge_trim();
+  return any ? 1 : 0;
+}
+
+HK_EXPORT void hk_thread_flush(void) {
+  hk_tcache_t* tc = &_hk_tc;
+  if (tc->state == HK_TC_ACTIVE) _hk_flush_thread(tc);
+}
+
+HK_EXPORT struct mallinfo2 mallinfo2(void) {
+  struct mallinfo2 mi;
+  memset(&mi, 0, sizeof mi);
+  hk_stats_t st;
+  if (hk_stats_get(&st) != 0) return mi;
+  uint64_t live = 0, cached = 0;
+  for (unsigned c = 0; c < HK_NUM_CLASSES; c++) {
+    live += st.cls[c].live_bytes;
+    cached += st.cls[c].cached_bytes;
+  }
+  mi.arena = st.committed_bytes;
+  mi.uordblks = live;
+  mi.fordblks = st.committed_bytes > live ? st.committed_bytes - live : 0;
+  mi.hblks = st.cls[0].allocs - st.cls[0].frees;
+  mi.hblkhd = st.cls[0].live_bytes;
+  mi.fsmblks = cached;
+  return mi;
+}
+
+HK_EXPORT struct mallinfo mallinfo(void) {
+  struct mallinfo2 m2 = mallinfo2();
+  struct mallinfo mi;
+  memset(&mi, 0, sizeof mi);
+  mi.arena = (int)m2.arena;
+  mi.uordblks = (int)m2.uordblks;
+  mi.fordblks = (int)m2.fordblks;
+  mi.hblks = (int)m2.hblks;
+  mi.hblkhd = (int)m2.hblkhd;
+  mi.fsmblks = (int)m2.fsmblks;
+  return mi;
+}
+
+HK_EXPORT void malloc_stats(void) { hk_stats_print(2); }
+
+HK_EXPORT int malloc_info(int options, FILE* fp) {
+  if (options != 0 || fp == NULL) { errno = EINVAL; return -1; }
+  hk_stats_t st;
+  hk_stats_get(&st);
+  char buf[512];
+  size_t n = _hk_fmt(buf, sizeof buf,
+      "<malloc version=\"hakmem-1\">\n"
+      "<total type=\"committed\" size=\"%lu\"/>\n"
+      "<total type=\"huge\" count=\"%lu\" size=\"%lu\"/>\n"
+      "<system type=\"mmap\" count=\"%lu\"/>\n<system type=\"munmap\" count=\"%lu\"/>\n"
+      "<system type=\"madvise\" count=\"%lu\"/>\n<threads count=\"%lu\"/>\n",
+      st.committed_bytes, st.cls[0].allocs - st.cls[0].frees, st.cls[0].live_bytes,
+      st.mmap_calls, st.munmap_calls, st.madvise_calls, st.threads);
+  if (fwrite(buf, 1, n, fp) != n) return -1;
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    if (st.cls[c].allocs == 0) continue;
+    n = _hk_fmt(buf, sizeof buf,
+        "<size class=\"%u\" size=\"%lu\" allocs=\"%lu\" frees=\"%lu\" live=\"%lu\" cached=\"%lu\"/>\n",
+        c, st.cls[c].size, st.cls[c].allocs, st.cls[c].frees, st.cls[c].live_bytes,
+        st.cls[c].cached_bytes);
+    if (fwrite(buf, 1, n, fp) != n) return -1;
+  }
+  if (fputs("</malloc>\n", fp) < 0) return -1;
+  return 0;
+}
+
+HK_EXPORT size_t hk_class_size(unsigned cls) {
+  if (!_hk_initialized) _hk_init();
+  return (cls > 0 && cls < HK_NUM_CLASSES) ? _hk_class[cls].size : 0;
+}
+
+HK_EXPORT unsigned hk_size_class(size_t size) {
+  if (!_hk_initialized) _hk_init();
+  return _hk_class_of(size);
+}

@@ -1,0 +1,212 @@
+/* init.c — start-up, threads, fork and exit.
+ *
+ * Initialization happens on the first allocation, which may come from the
+ * dynamic loader or libc's own start-up before any constructor ran, so it
+ * uses nothing that allocates: static tables, mmap, and our own environment
+ * walk. pthread_atfork (which may allocate) is registered from a constructor,
+ * when malloc already works.
+ *
+ * SYNCHRONIZATION
+ *  1. init_lock serializes the one-time initialization; _hk_initialized is
+ *     published with release order and read with acquire on the slow path.
+ *  2. registry_lock guards the list of live thread caches (stats read other
+ *     threads' counters through it; their racy reads are relaxed atomics).
+ *  3. Fork: the parent takes every allocator lock in a fixed order (policy,
+ *     registry, classes, segments, huge) before fork and releases them after;
+ *     the child re-initializes them and keeps only its own thread cache.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "prim.h"
+
+__thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
+
+hk_class_info_t _hk_class[HK_NUM_CLASSES];
+uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
+hk_proc_counters_t _hk_proc;
+int _hk_initialized;
+
+static hk_lock_t init_lock;
+static hk_lock_t registry_lock;
+static hk_tcache_t* registry;
+static pthread_key_t thread_key;
+static bool thread_key_ok;
+
+/* ---- locks ------------------------------------------------------------------ */
+void _hk_lock_slow(hk_lock_t* l) {
+  for (unsigned spins = 0;; spins++) {
+    if (hk_load_relaxed(&l->v) == 0) {
+      int expect = 0;
+      if (atomic_compare_exchange_weak_explicit(&l->v, &expect, 1,
+            memory_order_acquire, memory_order_relaxed)) return;
+    }
+    if (spins < 64) __builtin_ia32_pause();
+    else sched_yield();
+  }
+}
+
+void _hk_registry_lock(void) { _hk_lock(&registry_lock); }
+void _hk_registry_unlock(void) { _hk_unlock(&registry_lock); }
+
+uint64_t _hk_now_ns(void) { return _hk_os_now_ns(); }
+
+/* ---- size classes ----------------------------------------------------------- */
+static uint32_t class_size_formula(unsigned cls) {
+  if (cls <= 8) return cls * 16u;
+  unsigned k = cls - 9;              /* 0.. */
+  unsigned b = 7 + k / 4;            /* doubling above 2^b */
+  return (uint32_t)((5u + k % 4) << (b - 2));
+}
+
+static void classes_init(void) {
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    hk_class_info_t* ci = &_hk_class[cls];
+    uint32_t size = class_size_formula(cls);
+    ci->size = size;
+    /* Pages per slab: enough for a few blocks, with at most 1/8 wasted at
+     * the end of the slab; one block per slab above 64 KiB. */
+    unsigned want = size <= 8192 ? 8 : size <= 65536 ? 4 : 1;
+    unsigned best = 0;
+    for (unsigned k = 1; k <= HK_SLAB_MAX_PAGES; k++) {
+      uint64_t bytes = (uint64_t)k << HK_PAGE_SHIFT;
+      if (bytes / size < want) continue;
+      if ((bytes % size) * 8 <= bytes) { best = k; break; }
+    }
+    if (!best) best = (unsigned)((size + HK_PAGE_SIZE - 1) >> HK_PAGE_SHIFT);
+    ci->slab_pages = best;
+    ci->slab_blocks = (uint32_t)(((uint64_t)best << HK_PAGE_SHIFT) / size);
+    ci->div_magic = UINT64_MAX / size + 1;
+  }
+  for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++) {
+    size_t n = i ? (size_t)i * 16 : 1;
+    unsigned cls = 1;
+    while (_hk_class[cls].size < n) cls++;
+    _hk_small_class[i] = (uint8_t)cls;
+  }
+}
+
+/* ---- threads ---------------------------------------------------------------- */
+static void thread_exit(void* arg) {
+  hk_tcache_t* tc = &_hk_tc;
+  if (tc->state != HK_TC_ACTIVE) return;
+  _hk_flush_thread(tc);
+  _hk_registry_lock();
+  if (tc->prev) tc->prev->next = tc->next; else registry = tc->next;
+  if (tc->next) tc->next->prev = tc->prev;
+  tc->next = tc->prev = NULL;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    hk_add_relaxed(&_hk_central[cls].c.allocs, tc->bin[cls].allocs);
+    tc->bin[cls].allocs = 0;
+    tc->bin[cls].cap = 0;   /* from now on every call goes the direct way */
+  }
+  hk_sub_relaxed(&_hk_proc.threads, 1);
+  tc->state = HK_TC_DEAD;
+  _hk_registry_unlock();
+}
+
+hk_tcache_t* _hk_tcache_setup(void) {
+  hk_tcache_t* tc = &_hk_tc;
+  if (!_hk_initialized) _hk_init();
+  if (tc->state != HK_TC_NEW) return tc;
+  tc->tid = _hk_os_tid();
+  tc->last_gc_ns = _hk_now_ns();
+  _hk_registry_lock();
+  tc->prev = NULL;
+  tc->next = registry;
+  if (registry) registry->prev = tc;
+  registry = tc;
+  hk_add_relaxed(&_hk_proc.threads, 1);
+  hk_add_relaxed(&_hk_proc.threads_total, 1);
+  tc->state = HK_TC_ACTIVE;
+  _hk_registry_unlock();
+  _hk_tcache_apply_policy(tc);
+  /* A non-NULL value makes pthread call thread_exit when the thread ends.
+   * Our key is made first thing, so it sits in the static key array and
+   * setting it does not allocate. */
+  if (thread_key_ok) pthread_setspecific(thread_key, tc);
+  return tc;
+}
+
+/* Sums every live thread's counters into per-class allocs/cached (stats.c). */
+void _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks) {
+  _hk_registry_lock();
+  for (hk_tcache_t* t = registry; t; t = t->next)
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+      allocs[cls] += __atomic_load_n(&t->bin[cls].allocs, __ATOMIC_RELAXED);
+      cached_blocks[cls] += __atomic_load_n(&t->bin[cls].count, __ATOMIC_RELAXED);
+    }
+  _hk_registry_unlock();
+}
+
+/* ---- fork ------------------------------------------------------------------- */
+static void fork_prepare(void) {
+  _hk_policy_lock();
+  _hk_registry_lock();
+  _hk_central_lock_all();
+  _hk_segment_lock();
+  _hk_huge_lock();
+}
+
+static void fork_parent(void) {
+  _hk_huge_unlock();
+  _hk_segment_unlock();
+  _hk_central_unlock_all();
+  _hk_registry_unlock();
+  _hk_policy_unlock();
+}
+
+static void fork_child(void) {
+  _hk_huge_reinit_lock();
+  _hk_segment_reinit_lock();
+  _hk_central_reinit_locks();
+  _hk_lock_reinit(&registry_lock);
+  _hk_policy_reinit_lock();
+  /* Only the forking thread exists now. Other threads' cached blocks stay
+   * counted as out of their slabs: a bounded leak, as in every allocator. */
+  hk_tcache_t* me = &_hk_tc;
+  registry = NULL;
+  uint64_t n = 0;
+  if (me->state == HK_TC_ACTIVE) {
+    me->next = me->prev = NULL;
+    registry = me;
+    me->tid = _hk_os_tid();
+    n = 1;
+  }
+  hk_store_relaxed(&_hk_proc.threads, n);
+}
+
+/* ---- start and exit --------------------------------------------------------- */
+void _hk_init(void) {
+  _hk_lock(&init_lock);
+  if (!__atomic_load_n(&_hk_initialized, __ATOMIC_ACQUIRE)) {
+    classes_init();
+    _hk_stats_clock_start();
+    _hk_options_init();
+    if (pthread_key_create(&thread_key, thread_exit) == 0) thread_key_ok = true;
+    __atomic_store_n(&_hk_initialized, 1, __ATOMIC_RELEASE);
+  }
+  _hk_unlock(&init_lock);
+}
+
+/* Programs may close stderr before exit (coreutils does, in an atexit
+ * handler); the exit-time table goes to a copy of it taken at start. */
+static int stats_fd = -1;
+
+__attribute__((constructor(101))) static void hk_constructor(void) {
+  if (!_hk_initialized) _hk_init();
+  /* Initialized from inside the loader, before the environment was set up:
+   * read the options now, before main. */
+  if (_hk_options_env_missing()) _hk_options_init();
+  pthread_atfork(fork_prepare, fork_parent, fork_child);
+  if (_hk_stats_at_exit()) stats_fd = fcntl(2, F_DUPFD_CLOEXEC, 64);
+}
+
+__attribute__((destructor(101))) static void hk_destructor(void) {
+  if (_hk_stats_at_exit()) hk_stats_print(stats_fd >= 0 ? stats_fd : 2);
+}

@@ -1,0 +1,165 @@
+/* internal.h — cross-file prototypes and tiny inline helpers.
+ *
+ * Names: hk_ public (hakmem.h), _hk_ internal across files, static within a
+ * file. Every atomic names its memory order here, so each ordering choice
+ * can be found with grep.
+ */
+#ifndef HK_INTERNAL_H
+#define HK_INTERNAL_H
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "types.h"
+
+#define HK_LIKELY(x)   __builtin_expect(!!(x), 1)
+#define HK_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define HK_NOINLINE    __attribute__((noinline))
+#define HK_INLINE      static inline __attribute__((always_inline))
+#define HK_EXPORT      __attribute__((visibility("default")))
+#define HK_COLD        __attribute__((cold, noinline))
+
+/* Debug-build invariant (compiled out in release). For data read from
+ * shared memory or that a buggy program may corrupt, use the always-on
+ * checks in the code instead: they report and abort without allocating. */
+#if HK_DEBUG
+#define HK_ASSERT(c) \
+  do { if (HK_UNLIKELY(!(c))) _hk_assert_fail(#c, __FILE__, __LINE__); } while (0)
+#else
+#define HK_ASSERT(c) ((void)0)
+#endif
+
+/* ---- atomics ----------------------------------------------------------------- */
+#define hk_load_relaxed(p)        atomic_load_explicit((p), memory_order_relaxed)
+#define hk_load_acquire(p)        atomic_load_explicit((p), memory_order_acquire)
+#define hk_store_relaxed(p, v)    atomic_store_explicit((p), (v), memory_order_relaxed)
+#define hk_store_release(p, v)    atomic_store_explicit((p), (v), memory_order_release)
+#define hk_add_relaxed(p, v)      atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
+#define hk_sub_relaxed(p, v)      atomic_fetch_sub_explicit((p), (v), memory_order_relaxed)
+
+/* ---- globals (defined in init.c / segment.c / options.c) ------------------- */
+extern __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
+/* One byte per 4 MiB of the 47-bit address space (32 MiB of .bss: pages of
+ * it that are never written are never committed). */
+extern uint8_t _hk_map[HK_MAP_ENTRIES];
+extern hk_central_t _hk_central[HK_NUM_CLASSES];
+extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
+extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
+extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
+extern bool _hk_check_mode;                     /* HAKMEM_CHECK=1 */
+extern int  _hk_initialized;
+
+typedef struct hk_proc_counters_s {
+#define HK_X_PATOMIC(name, desc) _Atomic uint64_t name;
+  HK_PROC_COUNTERS(HK_X_PATOMIC)
+#undef HK_X_PATOMIC
+} hk_proc_counters_t;
+extern hk_proc_counters_t _hk_proc;
+
+/* ---- size classes ------------------------------------------------------------
+ * Sizes 16..128 step 16, then four classes per doubling up to 1 MiB:
+ * (5,6,7,8) << (b-2) for 2^b < size <= 2^(b+1). Waste per class <= 25%.
+ */
+HK_INLINE unsigned _hk_class_of(size_t n) {
+  if (HK_LIKELY(n <= HK_SMALL_MAX)) return _hk_small_class[(n + 15) >> 4];
+  if (HK_UNLIKELY(n > HK_MAX_CLASS_SIZE)) return 0;
+  size_t m = n - 1;
+  unsigned b = 63u - (unsigned)__builtin_clzll(m);   /* 2^b <= m < 2^(b+1) */
+  return 9u + (b - 7u) * 4u + (unsigned)(m >> (b - 2)) - 4u;
+}
+
+/* ---- lock ------------------------------------------------------------------- */
+void _hk_lock_slow(hk_lock_t* l);
+HK_INLINE void _hk_lock(hk_lock_t* l) {
+  int expect = 0;
+  if (HK_LIKELY(atomic_compare_exchange_weak_explicit(&l->v, &expect, 1,
+        memory_order_acquire, memory_order_relaxed))) return;
+  _hk_lock_slow(l);
+}
+HK_INLINE void _hk_unlock(hk_lock_t* l) { hk_store_release(&l->v, 0); }
+HK_INLINE void _hk_lock_reinit(hk_lock_t* l) { hk_store_relaxed(&l->v, 0); }
+
+/* ---- pointer -> owner ------------------------------------------------------- */
+HK_INLINE unsigned _hk_map_kind(const void* p) {
+  return _hk_map[((uintptr_t)p >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1)];
+}
+HK_INLINE hk_segment_t* _hk_segment_of(const void* p) {
+  return (hk_segment_t*)((uintptr_t)p & ~(HK_SEG_SIZE - 1));
+}
+HK_INLINE unsigned _hk_page_of(const void* p) {
+  return (unsigned)(((uintptr_t)p >> HK_PAGE_SHIFT) & (HK_SEG_PAGES - 1));
+}
+/* Is p exactly a block boundary of its slab? Uses the divisibility test
+ * off % d == 0  <=>  off * ceil(2^64/d) (mod 2^64) < ceil(2^64/d), valid for
+ * off < 2^32 (Lemire, Kaser, Kurz 2019). */
+HK_INLINE bool _hk_is_block_start(const hk_segment_t* seg, unsigned page,
+                                  unsigned cls, const void* p) {
+  uintptr_t start = (uintptr_t)seg + ((uintptr_t)seg->page_first[page] << HK_PAGE_SHIFT);
+  uint64_t off = (uint64_t)((uintptr_t)p - start);
+  uint64_t m = _hk_class[cls].div_magic;
+  return off * m < m;
+}
+
+/* ---- slow paths and helpers (one file each) --------------------------------- */
+/* alloc.c */
+void* _hk_malloc_slow(size_t n, unsigned cls);
+void  _hk_free_slow(void* p);
+/* slab.c: central per-class state */
+void* _hk_refill(hk_tcache_t* tc, unsigned cls);       /* returns one block */
+void  _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n);
+void  _hk_flush_thread(hk_tcache_t* tc);
+void* _hk_alloc_direct(unsigned cls);                  /* no thread cache */
+void  _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls);
+bool  _hk_trim_warm(void);
+void  _hk_central_init(void);
+void  _hk_central_lock_all(void);
+void  _hk_central_unlock_all(void);
+void  _hk_central_reinit_locks(void);
+/* segment.c: segments and the address map */
+hk_slab_t* _hk_slab_carve(unsigned cls);               /* NULL on OOM */
+void       _hk_slab_release(hk_slab_t* slab);          /* pages back to OS */
+bool       _hk_segment_trim(void);
+void       _hk_segment_lock(void);
+void       _hk_segment_unlock(void);
+void       _hk_segment_reinit_lock(void);
+/* huge.c */
+void*  _hk_huge_alloc(size_t n, size_t align, bool zero);
+void   _hk_huge_free(void* p);
+size_t _hk_huge_usable(const void* p);
+void*  _hk_huge_realloc(void* p, size_t n);            /* NULL: could not in place */
+bool   _hk_huge_trim(void);
+void   _hk_huge_lock(void);
+void   _hk_huge_unlock(void);
+void   _hk_huge_reinit_lock(void);
+/* options.c: options table and the live policy */
+void     _hk_options_init(void);
+bool     _hk_options_env_missing(void);
+void     _hk_policy_default(hk_policy_t* p);
+uint64_t _hk_policy_current_version(void);
+void     _hk_tcache_apply_policy(hk_tcache_t* tc);
+bool     _hk_stats_at_exit(void);
+void     _hk_policy_lock(void);
+void     _hk_policy_unlock(void);
+void     _hk_policy_reinit_lock(void);
+uint32_t _hk_drain_ms(void);
+void     _hk_options_print(int fd);
+/* init.c */
+void        _hk_init(void);
+hk_tcache_t* _hk_tcache_setup(void);                   /* first slow path */
+void        _hk_registry_lock(void);
+void        _hk_registry_unlock(void);
+uint64_t    _hk_now_ns(void);
+void        _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks);
+/* stats.c */
+void _hk_stats_collect(hk_stats_t* out);
+void _hk_stats_clock_start(void);
+/* error.c: report and abort, never allocating */
+HK_COLD __attribute__((noreturn)) void _hk_invalid_free(const void* p, const char* why);
+HK_COLD __attribute__((noreturn)) void _hk_fatal(const char* msg, const void* p);
+HK_COLD __attribute__((noreturn)) void _hk_assert_fail(const char* c, const char* f, int l);
+HK_COLD void _hk_warn(const char* msg, const char* detail);
+/* Formats into a caller buffer without allocating; returns length. */
+size_t _hk_fmt(char* buf, size_t cap, const char* fmt, ...);
+
+#endif /* HK_INTERNAL_H */

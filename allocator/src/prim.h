@@ -1,0 +1,33 @@
+/* prim.h — every OS call the allocator makes, behind one small interface.
+ *
+ * Convention: functions return 0 on success or an errno value; addresses and
+ * lengths are multiples of the OS page size. Each call is counted in the
+ * process counters (mmap_calls, munmap_calls, madvise_calls), so the cost
+ * the allocator imposes on the kernel is visible. None of these allocate.
+ */
+#ifndef HK_PRIM_H
+#define HK_PRIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Reserves and commits len bytes aligned to `align` (a power of two >= the
+ * page size). *out is NULL on failure. */
+int _hk_os_map_aligned(size_t len, size_t align, void** out);
+int _hk_os_unmap(void* p, size_t len);
+/* Gives the pages back; they read as zero when touched again. */
+int _hk_os_decommit(void* p, size_t len);
+/* Grows a mapping in place (never moves it). */
+int _hk_os_grow_in_place(void* p, size_t old_len, size_t new_len);
+/* Shrinks a mapping in place. */
+int _hk_os_shrink(void* p, size_t old_len, size_t new_len);
+/* Monotonic clock in nanoseconds (vDSO, no syscall). */
+uint64_t _hk_os_now_ns(void);
+/* Coarse monotonic clock (a few ms resolution, cheapest to read). */
+uint64_t _hk_os_now_coarse_ns(void);
+/* Current thread's kernel id. */
+uint32_t _hk_os_tid(void);
+/* Writes all of buf to fd, retrying short writes; never allocates. */
+void _hk_os_write(int fd, const char* buf, size_t len);
+
+#endif /* HK_PRIM_H */

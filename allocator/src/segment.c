@@ -1,0 +1,168 @@
+/* segment.c — segments ("superslabs") and the address map.
+ *
+ * SYNCHRONIZATION
+ *  1. seg_lock guards the segment list, the reservation cursor, the empty
+ *     segment cache, free_pages/page_class/page_first of every segment, and
+ *     writes to _hk_map.
+ *  2. Lock order: a class lock (slab.c) may be held when seg_lock is taken,
+ *     never the other way round.
+ *  3. free() reads _hk_map and page_class/page_first without a lock. They
+ *     change only when a slab is carved (before any block of it exists) or
+ *     released (after every block of it came back), so for a correct program
+ *     no free can race with the change; the class locks order the writes
+ *     before the blocks are handed to any thread.
+ */
+#include "internal.h"
+#include "prim.h"
+
+uint8_t _hk_map[HK_MAP_ENTRIES];
+
+static hk_lock_t seg_lock;
+static hk_segment_t* seg_list;                 /* segments with free pages */
+static hk_segment_t* seg_cache[HK_SEG_CACHE_MAX];
+static unsigned seg_cache_count;
+static uintptr_t reserve_next, reserve_end;    /* address space for new segments */
+
+#define ALL_SLAB_PAGES (~(uint64_t)1)          /* pages 1..63 */
+
+void _hk_segment_lock(void) { _hk_lock(&seg_lock); }
+void _hk_segment_unlock(void) { _hk_unlock(&seg_lock); }
+void _hk_segment_reinit_lock(void) { _hk_lock_reinit(&seg_lock); }
+
+static void list_push(hk_segment_t* s) {
+  s->prev = NULL;
+  s->next = seg_list;
+  if (seg_list) seg_list->prev = s;
+  seg_list = s;
+  s->in_list = 1;
+}
+
+static void list_remove(hk_segment_t* s) {
+  if (s->prev) s->prev->next = s->next; else seg_list = s->next;
+  if (s->next) s->next->prev = s->prev;
+  s->next = s->prev = NULL;
+  s->in_list = 0;
+}
+
+static hk_segment_t* segment_new(void) {
+  if (seg_cache_count > 0) {
+    hk_segment_t* s = seg_cache[--seg_cache_count];
+    HK_ASSERT(s->free_pages == ALL_SLAB_PAGES);
+    return s;
+  }
+  if (reserve_next == reserve_end) {
+    void* base;
+    if (_hk_os_map_aligned(HK_RESERVE_SEGMENTS * HK_SEG_SIZE, HK_SEG_SIZE, &base) != 0)
+      return NULL;
+    reserve_next = (uintptr_t)base;
+    reserve_end = reserve_next + HK_RESERVE_SEGMENTS * HK_SEG_SIZE;
+  }
+  hk_segment_t* s = (hk_segment_t*)reserve_next;
+  reserve_next += HK_SEG_SIZE;
+  /* Fresh anonymous memory is zero: only the non-zero fields are set. */
+  s->magic = HK_SEG_MAGIC;
+  s->free_pages = ALL_SLAB_PAGES;
+  hk_add_relaxed(&_hk_proc.committed_bytes, HK_OS_PAGE * 2);
+  _hk_map[((uintptr_t)s >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1)] = HK_MAP_SEGMENT;
+  return s;
+}
+
+static void segment_free(hk_segment_t* s) {
+  if (seg_cache_count < HK_SEG_CACHE_MAX) {
+    seg_cache[seg_cache_count++] = s;
+    return;
+  }
+  _hk_map[((uintptr_t)s >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1)] = HK_MAP_NONE;
+  hk_sub_relaxed(&_hk_proc.committed_bytes, HK_OS_PAGE * 2);
+  _hk_os_unmap(s, HK_SEG_SIZE);
+}
+
+/* Lowest index of k consecutive set bits in m, or -1. */
+static int find_run(uint64_t m, unsigned k) {
+  uint64_t r = m;
+  for (unsigned i = 1; i < k; i++) r &= m >> i;
+  return r ? __builtin_ctzll(r) : -1;
+}
+
+hk_slab_t* _hk_slab_carve(unsigned cls) {
+  const hk_class_info_t* ci = &_hk_class[cls];
+  unsigned k = ci->slab_pages;
+  _hk_lock(&seg_lock);
+  hk_segment_t* s;
+  int first = -1;
+  for (s = seg_list; s; s = s->next) {
+    first = find_run(s->free_pages, k);
+    if (first >= 0) break;
+  }
+  if (!s) {
+    s = segment_new();
+    if (!s) { _hk_unlock(&seg_lock); return NULL; }
+    list_push(s);
+    first = find_run(s->free_pages, k);
+    HK_ASSERT(first == 1);
+  }
+  uint64_t mask = (k == 64 ? ~(uint64_t)0 : (((uint64_t)1 << k) - 1)) << first;
+  s->free_pages &= ~mask;
+  for (unsigned i = (unsigned)first; i < (unsigned)first + k; i++) {
+    s->page_first[i] = (uint8_t)first;
+    s->page_class[i] = (uint8_t)cls;
+  }
+  if (s->free_pages == 0) list_remove(s);
+  hk_slab_t* slab = &s->slabs[first];
+  uint8_t* start = (uint8_t*)s + ((uintptr_t)first << HK_PAGE_SHIFT);
+  slab->free = NULL;
+  slab->start = start;
+  slab->bump = start;
+  slab->end = start + (size_t)ci->slab_blocks * ci->size;
+  slab->next = slab->prev = NULL;
+  slab->used = 0;
+  slab->capacity = ci->slab_blocks;
+  slab->owner = 0;
+  slab->cls = (uint16_t)cls;
+  slab->pages = (uint8_t)k;
+  slab->state = HK_SLAB_PARTIAL;
+  if (_hk_check_mode)
+    memset(s->check_bits[first], 0, sizeof s->check_bits[first]);
+  hk_add_relaxed(&_hk_proc.committed_bytes, (uint64_t)k << HK_PAGE_SHIFT);
+  _hk_unlock(&seg_lock);
+  return slab;
+}
+
+void _hk_slab_release(hk_slab_t* slab) {
+  hk_segment_t* s = _hk_segment_of(slab);
+  unsigned first = (unsigned)(slab - s->slabs);
+  unsigned k = slab->pages;
+  /* Return the pages before publishing them as free: after this they read
+   * as zero, which the next slab carved here relies on for its bump area. */
+  _hk_os_decommit(slab->start, (size_t)k << HK_PAGE_SHIFT);
+  _hk_lock(&seg_lock);
+  for (unsigned i = first; i < first + k; i++) {
+    s->page_class[i] = 0;
+    s->page_first[i] = 0;
+  }
+  slab->state = HK_SLAB_UNUSED;
+  slab->free = NULL;
+  slab->used = 0;
+  uint64_t mask = (((uint64_t)1 << k) - 1) << first;
+  s->free_pages |= mask;
+  hk_sub_relaxed(&_hk_proc.committed_bytes, (uint64_t)k << HK_PAGE_SHIFT);
+  if (!s->in_list) list_push(s);
+  if (s->free_pages == ALL_SLAB_PAGES) {
+    list_remove(s);
+    segment_free(s);
+  }
+  _hk_unlock(&seg_lock);
+}
+
+bool _hk_segment_trim(void) {
+  _hk_lock(&seg_lock);
+  bool any = seg_cache_count > 0;
+  while (seg_cache_count > 0) {
+    hk_segment_t* s = seg_cache[--seg_cache_count];
+    _hk_map[((uintptr_t)s >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1)] = HK_MAP_NONE;
+    hk_sub_relaxed(&_hk_proc.committed_bytes, HK_OS_PAGE * 2);
+    _hk_os_unmap(s, HK_SEG_SIZE);
+  }
+  _hk_unlock(&seg_lock);
+  return any;
+}

@@ -1,0 +1,288 @@
+/* slab.c — the central per-class state: refill, drain, warm pool.
+ *
+ * SYNCHRONIZATION
+ *  1. Each class has its own lock (_hk_central[cls].lock). It guards the
+ *     class's partial list, warm pool and every field of its slabs except the
+ *     page tables (segment.c). No lock is ever held across classes.
+ *  2. A thread takes a class lock only on its slow path, once per batch of
+ *     blocks moved (refill or drain), so frees from any thread stay lock-free
+ *     on the fast path: they land in the freeing thread's cache and travel
+ *     back to their slab in batches.
+ *  3. Slabs are released to the OS (segment.c, madvise) after the class lock
+ *     is dropped, so no thread waits on a syscall while holding it.
+ */
+#include "internal.h"
+#include "prim.h"
+
+hk_central_t _hk_central[HK_NUM_CLASSES];
+
+/* Warm pool limits of the policy in force (written by options.c). */
+_Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES];
+
+#define CHECK_FILL 0xdb
+#define CHECK_SPAN 4096u   /* bytes of a freed block filled/verified */
+
+static inline uint64_t ticks(void) { return __builtin_ia32_rdtsc(); }
+
+/* ---- list helpers ---------------------------------------------------------- */
+static void slab_push(hk_slab_t** list, hk_slab_t* s) {
+  s->prev = NULL;
+  s->next = *list;
+  if (*list) (*list)->prev = s;
+  *list = s;
+}
+
+static void slab_unlink(hk_slab_t** list, hk_slab_t* s) {
+  if (s->prev) s->prev->next = s->next; else *list = s->next;
+  if (s->next) s->next->prev = s->prev;
+  s->next = s->prev = NULL;
+}
+
+/* A slab to take blocks from: the warm pool first, then fresh pages. */
+static hk_slab_t* slab_get(hk_central_t* c, unsigned cls) {
+  hk_slab_t* s = c->warm;
+  if (s) {
+    slab_unlink(&c->warm, s);
+    c->warm_count--;
+    hk_add_relaxed(&c->c.slabs_from_warm, 1);
+  } else {
+    s = _hk_slab_carve(cls);
+    if (!s) return NULL;
+    hk_add_relaxed(&c->c.slabs_from_os, 1);
+  }
+  s->state = HK_SLAB_PARTIAL;
+  slab_push(&c->partial, s);
+  return s;
+}
+
+static bool check_bit_flip(hk_slab_t* s, const void* b, bool set) {
+  hk_segment_t* seg = _hk_segment_of(s);
+  unsigned first = (unsigned)(s - seg->slabs);
+  size_t idx = (size_t)((const uint8_t*)b - s->start) / _hk_class[s->cls].size;
+  uint64_t* w = &seg->check_bits[first][idx / 64];
+  uint64_t bit = (uint64_t)1 << (idx % 64);
+  if (idx >= HK_CHECK_BITMAP_WORDS * 64) return true; /* not tracked */
+  bool was = (*w & bit) != 0;
+  if (was == set) return false;
+  if (set) *w |= bit; else *w &= ~bit;
+  return true;
+}
+
+static void check_verify_fill(const hk_slab_t* s, const uint8_t* b) {
+  size_t n = _hk_class[s->cls].size;
+  if (n > CHECK_SPAN) n = CHECK_SPAN;
+  for (size_t i = sizeof(void*); i < n; i++)
+    if (b[i] != CHECK_FILL) _hk_fatal("heap corruption: freed block written after free", b + i);
+}
+
+/* Takes up to n blocks of class cls into a chain; returns how many. Free
+ * blocks first (hot in cache), then never-used ones, linked in address order. */
+static uint32_t take_blocks(hk_central_t* c, unsigned cls, uint32_t n,
+                            void** head_out, uint32_t tid) {
+  const uint32_t size = _hk_class[cls].size;
+  void* head = NULL;
+  uint32_t got = 0;
+  while (got < n) {
+    hk_slab_t* s = c->partial;
+    if (!s && !(s = slab_get(c, cls))) break;
+    s->owner = tid;
+    while (got < n && s->free) {
+      void* b = s->free;
+      s->free = *(void**)b;
+      if (HK_UNLIKELY(_hk_check_mode)) {
+        check_verify_fill(s, b);
+        check_bit_flip(s, b, true);
+      }
+      *(void**)b = head;
+      head = b;
+      got++;
+      s->used++;
+    }
+    if (got < n && s->bump < s->end) {
+      uint32_t m = (uint32_t)((size_t)(s->end - s->bump) / size);
+      if (m > n - got) m = n - got;
+      uint8_t* b = s->bump;
+      for (uint32_t i = 0; i + 1 < m; i++) *(void**)(b + (size_t)i * size) = b + (size_t)(i + 1) * size;
+      *(void**)(b + (size_t)(m - 1) * size) = head;
+      if (HK_UNLIKELY(_hk_check_mode))
+        for (uint32_t i = 0; i < m; i++) check_bit_flip(s, b + (size_t)i * size, true);
+      head = b;
+      s->bump += (size_t)m * size;
+      got += m;
+      s->used += m;
+    }
+    if (s->used == s->capacity) {
+      slab_unlink(&c->partial, s);
+      s->state = HK_SLAB_FULL;
+    }
+  }
+  HK_ASSERT(got <= n);
+  *head_out = head;
+  return got;
+}
+
+/* Returns one block to its slab (class lock held). A slab that becomes
+ * empty is appended to *release when it must go back to the OS. */
+static void give_block(hk_central_t* c, unsigned cls, void* b, uint32_t tid,
+                       hk_slab_t** release) {
+  hk_segment_t* seg = _hk_segment_of(b);
+  unsigned page = _hk_page_of(b);
+  if (HK_UNLIKELY(seg->page_class[page] != cls))
+    _hk_invalid_free(b, "block of another size class");
+  hk_slab_t* s = &seg->slabs[seg->page_first[page]];
+  if (HK_UNLIKELY(s->used == 0 || (uint8_t*)b >= s->bump))
+    _hk_invalid_free(b, "double free or never allocated");
+  if (HK_UNLIKELY(_hk_check_mode)) {
+    if (!check_bit_flip(s, b, false)) _hk_invalid_free(b, "double free");
+    size_t n = _hk_class[cls].size;
+    memset((uint8_t*)b + sizeof(void*), CHECK_FILL, (n > CHECK_SPAN ? CHECK_SPAN : n) - sizeof(void*));
+  }
+  *(void**)b = s->free;
+  s->free = b;
+  s->used--;
+  if (s->owner != tid) hk_add_relaxed(&c->c.remote_frees, 1);
+  if (s->state == HK_SLAB_FULL) {
+    s->state = HK_SLAB_PARTIAL;
+    slab_push(&c->partial, s);
+  }
+  if (s->used == 0) {
+    /* Keep the class's only partial slab: retiring it would make the very
+     * next refill take it (or a new one) straight back. */
+    if (c->partial == s && s->next == NULL) return;
+    slab_unlink(&c->partial, s);
+    if (c->warm_count < hk_load_relaxed(&_hk_warm_limit[cls])) {
+      s->state = HK_SLAB_WARM;
+      slab_push(&c->warm, s);
+      c->warm_count++;
+      hk_add_relaxed(&c->c.slabs_to_warm, 1);
+    } else {
+      s->state = HK_SLAB_UNUSED;
+      s->next = *release;
+      *release = s;
+      hk_add_relaxed(&c->c.slabs_to_os, 1);
+    }
+  }
+}
+
+/* Warm slabs beyond the limit (it may have been lowered) go to *release. */
+static void warm_shrink(hk_central_t* c, unsigned cls, uint32_t limit, hk_slab_t** release) {
+  while (c->warm_count > limit) {
+    hk_slab_t* s = c->warm;
+    slab_unlink(&c->warm, s);
+    c->warm_count--;
+    s->state = HK_SLAB_UNUSED;
+    s->next = *release;
+    *release = s;
+    hk_add_relaxed(&c->c.slabs_to_os, 1);
+  }
+}
+
+static void release_all(hk_slab_t* s) {
+  while (s) {
+    hk_slab_t* next = s->next;
+    _hk_slab_release(s);
+    s = next;
+  }
+}
+
+void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
+  hk_bin_t* bin = &tc->bin[cls];
+  hk_central_t* c = &_hk_central[cls];
+  uint64_t t0 = ticks();
+  void* head;
+  uint32_t want = bin->fill;
+  if (want == 0 || want > bin->batch) want = bin->batch < 4 ? bin->batch : 4;
+  if (want == 0) want = 1;
+  bin->fill = want * 2 < bin->batch ? want * 2 : bin->batch;
+  _hk_lock(&c->lock);
+  uint32_t got = take_blocks(c, cls, want, &head, tc->tid);
+  _hk_unlock(&c->lock);
+  hk_add_relaxed(&c->c.refills, 1);
+  hk_add_relaxed(&c->c.refill_blocks, got);
+  hk_add_relaxed(&c->c.slow_ns, ticks() - t0);   /* ticks; stats.c converts */
+  if (HK_UNLIKELY(got == 0)) return NULL;
+  void* p = head;
+  bin->head = *(void**)p;
+  bin->count = got - 1;
+  bin->allocs++;
+  return p;
+}
+
+void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
+  hk_bin_t* bin = &tc->bin[cls];
+  hk_central_t* c = &_hk_central[cls];
+  if (n > bin->count) n = bin->count;
+  if (n == 0) return;
+  uint64_t t0 = ticks();
+  hk_slab_t* release = NULL;
+  void* b = bin->head;
+  _hk_lock(&c->lock);
+  for (uint32_t i = 0; i < n; i++) {
+    void* next = *(void**)b;
+    give_block(c, cls, b, tc->tid, &release);
+    b = next;
+  }
+  warm_shrink(c, cls, hk_load_relaxed(&_hk_warm_limit[cls]), &release);
+  _hk_unlock(&c->lock);
+  bin->head = b;
+  bin->count -= n;
+  hk_add_relaxed(&c->c.drains, 1);
+  hk_add_relaxed(&c->c.drain_blocks, n);
+  release_all(release);
+  hk_add_relaxed(&c->c.slow_ns, ticks() - t0);
+}
+
+void _hk_flush_thread(hk_tcache_t* tc) {
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++)
+    if (tc->bin[cls].count) _hk_drain(tc, cls, tc->bin[cls].count);
+}
+
+/* One block without a thread cache: check mode, a cache capacity of 0, or a
+ * thread whose cache was already torn down at exit. */
+void* _hk_alloc_direct(unsigned cls) {
+  hk_central_t* c = &_hk_central[cls];
+  void* b;
+  _hk_lock(&c->lock);
+  uint32_t got = take_blocks(c, cls, 1, &b, _hk_tc.tid);
+  _hk_unlock(&c->lock);
+  if (!got) return NULL;
+  hk_add_relaxed(&c->c.refills, 1);
+  hk_add_relaxed(&c->c.refill_blocks, 1);
+  hk_add_relaxed(&c->c.allocs, 1);
+  return b;
+}
+
+void _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
+  hk_central_t* c = &_hk_central[cls];
+  hk_slab_t* release = NULL;
+  _hk_lock(&c->lock);
+  give_block(c, cls, p, _hk_tc.tid, &release);
+  _hk_unlock(&c->lock);
+  hk_add_relaxed(&c->c.drains, 1);
+  hk_add_relaxed(&c->c.drain_blocks, 1);
+  release_all(release);
+}
+
+bool _hk_trim_warm(void) {
+  bool any = false;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    hk_central_t* c = &_hk_central[cls];
+    hk_slab_t* release = NULL;
+    _hk_lock(&c->lock);
+    warm_shrink(c, cls, 0, &release);
+    _hk_unlock(&c->lock);
+    any |= release != NULL;
+    release_all(release);
+  }
+  return any;
+}
+
+void _hk_central_lock_all(void) {
+  for (unsigned cls = 0; cls < HK_NUM_CLASSES; cls++) _hk_lock(&_hk_central[cls].lock);
+}
+void _hk_central_unlock_all(void) {
+  for (unsigned cls = 0; cls < HK_NUM_CLASSES; cls++) _hk_unlock(&_hk_central[cls].lock);
+}
+void _hk_central_reinit_locks(void) {
+  for (unsigned cls = 0; cls < HK_NUM_CLASSES; cls++) _hk_lock_reinit(&_hk_central[cls].lock);
+}

@@ -1,0 +1,183 @@
+/* types.h — every shared type and constant of the allocator, in one place.
+ *
+ * Roster:
+ *   hk_segment_t  a 4 MiB, 4 MiB-aligned region ("superslab") cut into 64 KiB
+ *                 pages; page 0 holds this header, pages 1..63 hold slabs.
+ *   hk_slab_t     a run of 1..16 pages of one segment serving one size class;
+ *                 its descriptor lives in the segment header.
+ *   hk_central_t  per size class: the lock, partial slabs, the warm pool.
+ *   hk_tcache_t   per thread: a bounded free list per size class (the fast path).
+ *   hk_huge_t     header in front of an object larger than the largest class,
+ *                 which gets a mapping of its own.
+ *   hk_lock_t     a small spin-then-yield lock (never allocates, fork-safe).
+ *
+ * Address arithmetic: for a pointer p inside a segment,
+ *   segment = p & ~(HK_SEG_SIZE-1), page = (p >> HK_PAGE_SHIFT) & 63,
+ * and hk_map[p >> HK_SEG_SHIFT] says whether that segment is ours at all.
+ */
+#ifndef HK_TYPES_H
+#define HK_TYPES_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hakmem.h"
+
+/* ---- geometry ------------------------------------------------------------ */
+#define HK_SEG_SHIFT       22                          /* 4 MiB segments */
+#define HK_SEG_SIZE        ((uintptr_t)1 << HK_SEG_SHIFT)
+#define HK_PAGE_SHIFT      16                          /* 64 KiB pages */
+#define HK_PAGE_SIZE       ((uintptr_t)1 << HK_PAGE_SHIFT)
+#define HK_SEG_PAGES       (HK_SEG_SIZE / HK_PAGE_SIZE) /* 64, page 0 = header */
+#define HK_SLAB_MAX_PAGES  16
+#define HK_OS_PAGE         4096u
+#define HK_MIN_ALIGN       16u
+
+#define HK_SMALL_MAX       1024u                       /* table lookup below */
+#define HK_MAX_CLASS_SIZE  ((size_t)1 << 20)           /* 1 MiB: larger is huge */
+#define HK_MAP_BITS        (47 - HK_SEG_SHIFT)         /* user space is 47 bits */
+#define HK_MAP_ENTRIES     ((size_t)1 << HK_MAP_BITS)
+
+/* hk_map values: what the 4 MiB chunk of address space holds. */
+enum { HK_MAP_NONE = 0, HK_MAP_SEGMENT = 1, HK_MAP_HUGE = 2 };
+
+/* Segments are reserved this many at a time (address space only) so that
+ * getting 4 MiB alignment costs three syscalls per 16 segments, not per one. */
+#define HK_RESERVE_SEGMENTS 16
+/* Empty segments kept mapped (their pages already returned) before munmap. */
+#define HK_SEG_CACHE_MAX    2
+/* Huge mappings kept for reuse after free: count and total bytes. */
+#define HK_HUGE_CACHE_MAX       8
+#define HK_HUGE_CACHE_MAX_BYTES ((size_t)128 << 20)
+/* Check mode keeps one bit per block; the largest block count of a slab is
+ * a 64 KiB page of 16-byte blocks. */
+#define HK_CHECK_BITMAP_WORDS (HK_PAGE_SIZE / HK_MIN_ALIGN / 64)
+
+#define HK_SEG_MAGIC  0x686b6d656d736567ULL /* "hkmemseg" */
+#define HK_HUGE_MAGIC 0x686b6d656d687567ULL /* "hkmemhug" */
+
+/* ---- lock ------------------------------------------------------------------ */
+typedef struct hk_lock_s {
+  atomic_int v; /* 0 free, 1 held */
+} hk_lock_t;
+
+/* ---- slab -------------------------------------------------------------------
+ * Invariant (under the class lock):
+ *   used + |free| + (end - bump) / block_size == capacity
+ * where `used` counts blocks out of the slab: live in the program or parked
+ * in some thread cache.
+ */
+enum { HK_SLAB_UNUSED = 0, HK_SLAB_PARTIAL, HK_SLAB_FULL, HK_SLAB_WARM };
+
+typedef struct hk_slab_s {
+  void*     free;        /* blocks returned to this slab (singly linked) */
+  uint8_t*  bump;        /* next never-handed-out block */
+  uint8_t*  end;         /* start + capacity * block_size */
+  uint8_t*  start;       /* first block, page aligned */
+  struct hk_slab_s* next;/* partial list or warm pool of the class */
+  struct hk_slab_s* prev;
+  uint32_t  used;        /* blocks out of the slab */
+  uint32_t  capacity;    /* blocks that fit */
+  uint32_t  owner;       /* tid of the thread that last refilled from it */
+  uint16_t  cls;
+  uint8_t   pages;       /* span length, pages */
+  uint8_t   state;       /* HK_SLAB_* */
+} hk_slab_t;
+
+/* ---- segment ------------------------------------------------------------- */
+typedef struct hk_segment_s {
+  uint64_t  magic;                      /* HK_SEG_MAGIC */
+  uint64_t  free_pages;                 /* bit i set: page i not in a slab */
+  struct hk_segment_s* next;            /* list of segments with free pages */
+  struct hk_segment_s* prev;
+  uint32_t  in_list;
+  uint32_t  _pad;
+  /* Per page: the class of the slab covering it (0 = none, so the fast free
+   * path falls to the slow path through the class-0 sentinel bin), and the
+   * first page of that slab. Read without locks by free(): they change only
+   * when a slab is carved or released, which a correct program cannot race
+   * with a free of a block in that slab. */
+  uint8_t   page_class[HK_SEG_PAGES];
+  uint8_t   page_first[HK_SEG_PAGES];
+  hk_slab_t slabs[HK_SEG_PAGES];        /* descriptor at the slab's first page */
+  /* Check mode only (HAKMEM_CHECK=1): a bit per block handed out. Lives in
+   * the header page, so it costs no memory unless touched. */
+  uint64_t  check_bits[HK_SEG_PAGES][HK_CHECK_BITMAP_WORDS];
+} hk_segment_t;
+
+/* ---- per size class central state ---------------------------------------- */
+typedef struct hk_class_counters_s {
+#define HK_X_ATOMIC(name, desc) _Atomic uint64_t name;
+  HK_CLASS_COUNTERS(HK_X_ATOMIC)
+} hk_class_counters_t;
+
+typedef struct hk_central_s {
+  hk_lock_t  lock;
+  hk_slab_t* partial;     /* slabs with free or never-used blocks */
+  hk_slab_t* warm;        /* empty slabs kept for reuse */
+  uint32_t   warm_count;
+  uint32_t   _pad;
+  hk_class_counters_t c;  /* cumulative counters (relaxed atomics) */
+} __attribute__((aligned(64))) hk_central_t;
+
+/* Static description of a class (filled once at init). */
+typedef struct hk_class_info_s {
+  uint32_t size;          /* block size */
+  uint32_t slab_pages;    /* pages per slab */
+  uint32_t slab_blocks;   /* blocks per slab */
+  uint32_t _pad;
+  uint64_t div_magic;     /* ceil(2^64 / size): offset % size == 0 test */
+} hk_class_info_t;
+
+/* ---- thread cache ----------------------------------------------------------
+ * The whole fast path: pop/push on bin[cls].head. Invariant:
+ *   count == length of the list at head, count <= cap (after every free).
+ * Bin 0 is a sentinel: cap 0, head NULL, so a free of a page without a class
+ * (segment header, unused page) and a malloc of class 0 go to the slow path.
+ */
+typedef struct hk_bin_s {
+  void*    head;
+  uint32_t count;
+  uint32_t cap;
+  uint64_t allocs;        /* blocks handed out by this thread (monotonic) */
+  uint32_t batch;         /* blocks per drain, and most per refill */
+  uint32_t fill;          /* blocks the next refill takes: starts small and
+                             doubles up to batch, so a class used a few
+                             times does not pull in a whole batch */
+} hk_bin_t;
+
+enum { HK_TC_NEW = 0, HK_TC_ACTIVE = 1, HK_TC_DEAD = 2 };
+
+typedef struct hk_tcache_s {
+  hk_bin_t  bin[HK_NUM_CLASSES];
+  uint64_t  policy_version;     /* version of the policy its caps came from */
+  uint64_t  last_gc_ns;         /* last idle-drain pass */
+  uint64_t  gc_allocs[HK_NUM_CLASSES]; /* bin.allocs at the last pass */
+  uint32_t  tid;
+  int       state;              /* HK_TC_* */
+  struct hk_tcache_s* next;     /* registry of live thread caches */
+  struct hk_tcache_s* prev;
+} hk_tcache_t;
+
+/* ---- huge objects ---------------------------------------------------------- */
+enum { HK_HUGE_LIVE = 1, HK_HUGE_CACHED = 2 };
+
+/* Sits in the 64 bytes before the user pointer, inside the same mapping. */
+typedef struct hk_huge_s {
+  uint64_t magic;          /* HK_HUGE_MAGIC ^ (uintptr_t)user */
+  void*    base;           /* mapping start (4 MiB aligned) */
+  size_t   map_len;        /* mapping length, a multiple of HK_SEG_SIZE */
+  size_t   size;           /* bytes requested (usable = map end - user) */
+  size_t   dirty;          /* bytes from user that may have been touched */
+  uint32_t state;          /* HK_HUGE_* */
+  uint32_t _pad;
+  struct hk_huge_s* next_cached;
+  uint64_t _pad2;
+} hk_huge_t;
+
+_Static_assert(sizeof(hk_huge_t) == 64, "huge header is 64 bytes");
+_Static_assert(sizeof(hk_segment_t) <= HK_PAGE_SIZE, "segment header fits page 0");
+
+#endif /* HK_TYPES_H */

@@ -1,0 +1,299 @@
+/* test_knobs.c — each policy knob has a real, measurable effect, the
+ * environment overrides are read at start, and bad policies are rejected
+ * whole. Counters come from hk_stats_get, so this also checks they move. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <malloc.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "hakmem.h"
+#include "harness.h"
+
+static hk_stats_t st0, st1;
+
+static void snap(hk_stats_t* s) { hk_stats_get(s); }
+
+static void set_all(uint32_t cap, uint32_t batch, uint32_t warm, uint32_t drain_ms) {
+  hk_policy_t p;
+  hk_policy_get(&p);
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    hk_policy_bounds_t b;
+    hk_policy_bounds(c, &b);
+    p.tcache_cap[c] = cap > b.cap_max ? b.cap_max : cap;
+    uint32_t cmax = p.tcache_cap[c] ? p.tcache_cap[c] : 1;
+    p.tcache_batch[c] = batch > cmax ? cmax : batch;
+    p.warm_slabs[c] = warm > b.warm_max ? b.warm_max : warm;
+  }
+  p.drain_ms = drain_ms;
+  uint64_t v = hk_policy_set(&p);
+  if (v == 0) harness_say("  policy rejected unexpectedly\n");
+}
+
+/* Batches of 100 allocations then 100 frees, as servers handle requests. */
+static void batches(size_t size, int rounds) {
+  void* p[100];
+  for (int r = 0; r < rounds; r++) {
+    for (int i = 0; i < 100; i++) { p[i] = malloc(size); ((char*)p[i])[0] = (char)i; }
+    for (int i = 0; i < 100; i++) free(p[i]);
+  }
+}
+
+TEST(capacity_one_makes_nearly_every_allocation_a_refill) {
+  unsigned c = hk_size_class(64);
+  set_all(1, 1, 4, 0);
+  batches(64, 5);
+  snap(&st0);
+  batches(64, 200);
+  snap(&st1);
+  uint64_t allocs = st1.cls[c].allocs - st0.cls[c].allocs;
+  uint64_t refills = st1.cls[c].refills - st0.cls[c].refills;
+  harness_say("  cap 1: %llu refills for %llu allocations\n", (unsigned long long)refills,
+              (unsigned long long)allocs);
+  CHECK(allocs >= 20000);
+  CHECK(refills * 100 >= allocs * 90);
+}
+
+TEST(large_capacity_makes_refills_rare) {
+  unsigned c = hk_size_class(64);
+  set_all(1024, 128, 4, 0);
+  batches(64, 5);
+  snap(&st0);
+  batches(64, 200);
+  snap(&st1);
+  uint64_t allocs = st1.cls[c].allocs - st0.cls[c].allocs;
+  uint64_t refills = st1.cls[c].refills - st0.cls[c].refills;
+  harness_say("  cap 1024: %llu refills for %llu allocations\n", (unsigned long long)refills,
+              (unsigned long long)allocs);
+  CHECK(allocs >= 20000);
+  CHECK(refills * 100 <= allocs);
+}
+
+/* Fill many slabs of one class, free everything, repeat: the emptied slabs
+ * either wait in the warm pool or go back to the OS. */
+static void slab_churn(size_t size, int rounds) {
+  enum { N = 3000 };
+  static void* p[N];
+  for (int r = 0; r < rounds; r++) {
+    for (int i = 0; i < N; i++) { p[i] = malloc(size); memset(p[i], r, 64); }
+    for (int i = 0; i < N; i++) free(p[i]);
+    hk_thread_flush();
+  }
+}
+
+TEST(warm_pool_zero_sends_slab_churn_to_the_os) {
+  unsigned c = hk_size_class(1000);
+  set_all(16, 8, 0, 0);
+  slab_churn(1000, 2);
+  snap(&st0);
+  slab_churn(1000, 10);
+  snap(&st1);
+  uint64_t to_os = st1.cls[c].slabs_to_os - st0.cls[c].slabs_to_os;
+  uint64_t madv = st1.madvise_calls - st0.madvise_calls;
+  uint64_t from_warm = st1.cls[c].slabs_from_warm - st0.cls[c].slabs_from_warm;
+  harness_say("  warm 0: %llu slabs to the OS, %llu madvise, %llu from warm\n",
+              (unsigned long long)to_os, (unsigned long long)madv, (unsigned long long)from_warm);
+  CHECK(to_os >= 10 * 40);
+  CHECK(madv >= to_os);
+  CHECK_EQ(from_warm, 0);
+}
+
+TEST(large_warm_pool_keeps_slab_churn_off_the_os) {
+  unsigned c = hk_size_class(1000);
+  set_all(16, 8, 1024, 0);
+  slab_churn(1000, 2);
+  snap(&st0);
+  slab_churn(1000, 10);
+  snap(&st1);
+  uint64_t to_os = st1.cls[c].slabs_to_os - st0.cls[c].slabs_to_os;
+  uint64_t madv = st1.madvise_calls - st0.madvise_calls;
+  uint64_t from_warm = st1.cls[c].slabs_from_warm - st0.cls[c].slabs_from_warm;
+  harness_say("  warm max: %llu slabs to the OS, %llu madvise, %llu from warm\n",
+              (unsigned long long)to_os, (unsigned long long)madv, (unsigned long long)from_warm);
+  CHECK_EQ(to_os, 0);
+  CHECK_EQ(madv, 0);
+  CHECK(from_warm >= 10 * 40);
+  malloc_trim(0);   /* gives the warm slabs back */
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Park blocks of one class in the cache, then keep only another class busy
+ * (through its slow path) for longer than the drain interval. */
+static uint64_t cached_after_idle(uint32_t drain_ms) {
+  unsigned idle = hk_size_class(48);
+  set_all(256, 8, 4, drain_ms);
+  batches(48, 3);              /* up to 100 blocks of class 48 now cached */
+  for (int t = 0; t < 6; t++) {
+    sleep_ms(40);
+    static void* busy[600];   /* more than the cap: refills and drains */
+    for (int i = 0; i < 600; i++) busy[i] = malloc(3000);
+    for (int i = 0; i < 600; i++) free(busy[i]);
+  }
+  hk_stats_t s;
+  snap(&s);
+  return s.cls[idle].cached_bytes;
+}
+
+TEST(drain_interval_returns_idle_caches) {
+  hk_thread_flush();
+  uint64_t kept = cached_after_idle(0);
+  hk_thread_flush();
+  uint64_t drained = cached_after_idle(50);
+  harness_say("  idle class cached bytes: drain never %llu, drain 50 ms %llu\n",
+              (unsigned long long)kept, (unsigned long long)drained);
+  CHECK(kept >= 48 * 50);
+  CHECK_EQ(drained, 0);
+}
+
+TEST(lowering_capacity_drains_the_excess) {
+  unsigned c = hk_size_class(64);
+  set_all(1024, 128, 4, 0);
+  batches(64, 3);
+  snap(&st0);
+  CHECK(st0.cls[c].cached_bytes >= 64 * 100);
+  set_all(4, 2, 4, 0);
+  free(malloc(4000));   /* any slow path applies the new policy */
+  free(malloc(4000));
+  snap(&st1);
+  CHECK(st1.cls[c].cached_bytes <= 64 * 4);
+}
+
+TEST(out_of_bounds_policies_are_rejected_whole) {
+  hk_policy_t p;
+  hk_policy_get(&p);
+  uint64_t v0 = hk_policy_version();
+  hk_stats_t s0, s1;
+  snap(&s0);
+  hk_policy_bounds_t b;
+  hk_policy_bounds(1, &b);
+  hk_policy_t bad = p;
+  bad.tcache_cap[1] = b.cap_max + 1;
+  CHECK_EQ(hk_policy_set(&bad), 0);
+  bad = p;
+  bad.tcache_batch[5] = 0;
+  CHECK_EQ(hk_policy_set(&bad), 0);
+  bad = p;
+  bad.tcache_cap[7] = 8;
+  bad.tcache_batch[7] = 9;   /* batch above capacity */
+  CHECK_EQ(hk_policy_set(&bad), 0);
+  bad = p;
+  bad.warm_slabs[HK_NUM_CLASSES - 1] = 1u << 30;
+  CHECK_EQ(hk_policy_set(&bad), 0);
+  bad = p;
+  bad.drain_ms = 0xffffffffu;
+  CHECK_EQ(hk_policy_set(&bad), 0);
+  CHECK_EQ(hk_policy_set(NULL), 0);
+  snap(&s1);
+  CHECK_EQ(hk_policy_version(), v0);
+  CHECK_EQ(s1.policies_rejected - s0.policies_rejected, 6);
+  hk_policy_t now;
+  hk_policy_get(&now);
+  CHECK(memcmp(now.tcache_cap, p.tcache_cap, sizeof p.tcache_cap) == 0);
+  CHECK(hk_policy_set(&p) == v0 + 1);
+}
+
+/* Runs this binary again with extra environment; returns exit status and
+ * stderr in err. */
+static int rerun(const char* mode, const char* env1, const char* env2, char* err, size_t cap) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    char* argv[] = {(char*)"/proc/self/exe", (char*)mode, NULL};
+    char* envp[] = {(char*)env1, (char*)env2, NULL};
+    execve("/proc/self/exe", argv, envp);
+    _exit(127);
+  }
+  close(fds[1]);
+  size_t got = 0;
+  ssize_t n;
+  while (got + 1 < cap && (n = read(fds[0], err + got, cap - 1 - got)) > 0) got += (size_t)n;
+  err[got] = 0;
+  close(fds[0]);
+  int status;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* Child mode: prints the caps of two classes and the drain interval. */
+static int child_report(void) {
+  hk_policy_t p;
+  hk_policy_get(&p);
+  harness_say("caps %u %u batch %u warm %u drain %u\n", p.tcache_cap[hk_size_class(16)],
+              p.tcache_cap[hk_size_class(20000)], p.tcache_batch[hk_size_class(16)],
+              p.warm_slabs[hk_size_class(16)], p.drain_ms);
+  hk_stats_t a, b;
+  unsigned c = hk_size_class(16);
+  hk_stats_get(&a);
+  batches(16, 10);
+  hk_stats_get(&b);
+  harness_say("refills %llu allocs %llu\n", (unsigned long long)(b.cls[c].refills - a.cls[c].refills),
+              (unsigned long long)(b.cls[c].allocs - a.cls[c].allocs));
+  return 0;
+}
+
+TEST(environment_overrides_are_read_at_start) {
+  char err[4096];
+  CHECK_EQ(rerun("report", "HAKMEM_TCACHE_CAP=3", "HAKMEM_DRAIN_MS=250", err, sizeof err), 0);
+  CHECK(strstr(err, "caps 3 3 batch 1 ") != NULL);
+  CHECK(strstr(err, "drain 250") != NULL);
+  CHECK_EQ(rerun("report", "HAKMEM_WARM_SLABS=0", "HAKMEM_TCACHE_BATCH=2", err, sizeof err), 0);
+  CHECK(strstr(err, "batch 2 warm 0 ") != NULL);
+}
+
+TEST(bad_environment_values_warn_and_keep_the_default) {
+  char base[4096], err[4096];
+  CHECK_EQ(rerun("report", "X=1", NULL, base, sizeof base), 0);
+  CHECK_EQ(rerun("report", "HAKMEM_TCACHE_CAP=lots", "HAKMEM_DRAIN_MS=-5", err, sizeof err), 0);
+  CHECK(strstr(err, "hakmem: bad option: HAKMEM_TCACHE_CAP=lots") != NULL);
+  CHECK(strstr(err, "hakmem: bad option: HAKMEM_DRAIN_MS=-5") != NULL);
+  const char* a = strstr(base, "caps ");
+  const char* b = strstr(err, "caps ");
+  REQUIRE(a && b);
+  CHECK(strncmp(a, b, strcspn(a, "\n")) == 0);
+  CHECK_EQ(rerun("report", "HAKMEM_TCACHE_CAP=999999", NULL, err, sizeof err), 0);
+  CHECK(strstr(err, "bad option") != NULL);
+}
+
+TEST(stats_at_exit_prints_the_class_table) {
+  char err[16384];
+  CHECK_EQ(rerun("report", "HAKMEM_STATS=1", NULL, err, sizeof err), 0);
+  CHECK(strstr(err, "hakmem: stats") != NULL);
+  CHECK(strstr(err, "refills") != NULL);
+  CHECK(strstr(err, "HAKMEM_TCACHE_CAP") != NULL);
+  CHECK_EQ(rerun("report", "HAKMEM_STATS=0", NULL, err, sizeof err), 0);
+  CHECK(strstr(err, "hakmem: stats") == NULL);
+}
+
+TEST(check_mode_disables_thread_caches) {
+  char err[4096];
+  CHECK_EQ(rerun("report", "HAKMEM_CHECK=1", NULL, err, sizeof err), 0);
+  CHECK(strstr(err, "refills 1000 allocs 1000") != NULL);
+  CHECK_EQ(rerun("report", "HAKMEM_CHECK=0", NULL, err, sizeof err), 0);
+  CHECK(strstr(err, "refills 1000 ") == NULL);
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && strcmp(argv[1], "report") == 0) return child_report();
+  RUN(capacity_one_makes_nearly_every_allocation_a_refill);
+  RUN(large_capacity_makes_refills_rare);
+  RUN(warm_pool_zero_sends_slab_churn_to_the_os);
+  RUN(large_warm_pool_keeps_slab_churn_off_the_os);
+  RUN(drain_interval_returns_idle_caches);
+  RUN(lowering_capacity_drains_the_excess);
+  RUN(out_of_bounds_policies_are_rejected_whole);
+  RUN(environment_overrides_are_read_at_start);
+  RUN(bad_environment_values_warn_and_keep_the_default);
+  RUN(stats_at_exit_prints_the_class_table);
+  RUN(check_mode_disables_thread_caches);
+  return harness_done();
+}

@@ -33,6 +33,7 @@ extern "C" {
   X(drains,         "thread-cache drains (cache over capacity or idle)")            \
   X(drain_blocks,   "blocks moved out of thread caches by drains")                  \
   X(remote_frees,   "drained blocks whose slab was last refilled by another thread")\
+  X(lost_blocks,    "blocks stranded in caches of threads gone without cleanup")   \
   X(slabs_from_warm,"slabs taken from the warm pool")                               \
   X(slabs_from_os,  "slabs carved from fresh or returned memory")                   \
   X(slabs_to_warm,  "empty slabs parked in the warm pool")                          \

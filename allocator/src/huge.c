@@ -174,6 +174,7 @@ void* _hk_huge_realloc(void* p, size_t n) {
     _hk_unlock(&huge_lock);
     hk_sub_relaxed(&_hk_proc.committed_bytes, h->map_len - need);
     h->map_len = need;
+    if (h->dirty > need - off) h->dirty = need - off;   /* never past the end */
   }
   hk_add_relaxed(&c0->c.live_bytes, n);
   hk_sub_relaxed(&c0->c.live_bytes, h->size);

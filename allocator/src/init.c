@@ -9,8 +9,9 @@
  * SYNCHRONIZATION
  *  1. init_lock serializes the one-time initialization; _hk_initialized is
  *     published with release order and read with acquire on the slow path.
- *  2. registry_lock guards the list of live thread caches (stats read other
- *     threads' counters through it; their racy reads are relaxed atomics).
+ *  2. registry_lock guards the registry of thread records and its free list.
+ *     A thread writes its own record's counters (relaxed atomics) without
+ *     the lock; stats read them under it.
  *  3. Fork: the parent takes every allocator lock in a fixed order (policy,
  *     registry, classes, segments, huge) before fork and releases them after;
  *     the child re-initializes them and keeps only its own thread cache.
@@ -20,6 +21,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -34,7 +36,6 @@ int _hk_initialized;
 
 static hk_lock_t init_lock;
 static hk_lock_t registry_lock;
-static hk_tcache_t* registry;
 static pthread_key_t thread_key;
 static bool thread_key_ok;
 
@@ -91,20 +92,90 @@ static void classes_init(void) {
   }
 }
 
-/* ---- threads ---------------------------------------------------------------- */
+/* ---- threads ----------------------------------------------------------------
+ * Each thread with a cache has a record in the registry. Records live in
+ * metadata pages that are never unmapped, so the registry cannot dangle even
+ * when a thread ends without our exit hook: that happens when its very first
+ * allocation comes from another key's destructor on the last destructor
+ * round, after which pthread calls no more destructors. Such records (and the
+ * few blocks their thread cached) are found by a liveness sweep (tgkill with
+ * signal 0) when records pile up, and on every stats call while the registry
+ * is small.
+ */
+static hk_thread_rec_t* registry;      /* live records */
+static hk_thread_rec_t* rec_free;      /* reusable records */
+static uint8_t* rec_chunk;             /* bump area for new records */
+static size_t rec_chunk_left;
+static size_t rec_count, rec_count_at_sweep;
+
+#define REC_CHUNK (64u << 10)
+
+static hk_thread_rec_t* rec_alloc(void) {   /* registry lock held */
+  hk_thread_rec_t* r = rec_free;
+  if (r) { rec_free = r->next; return r; }
+  if (rec_chunk_left < sizeof *r) {
+    void* p;
+    if (_hk_os_map_aligned(REC_CHUNK, HK_OS_PAGE, &p) != 0) return NULL;
+    rec_chunk = p;
+    rec_chunk_left = REC_CHUNK;
+  }
+  r = (hk_thread_rec_t*)rec_chunk;
+  rec_chunk += sizeof *r;
+  rec_chunk_left -= sizeof *r;
+  return r;
+}
+
+static void rec_unlink(hk_thread_rec_t* r) {   /* registry lock held */
+  if (r->prev) r->prev->next = r->next; else registry = r->next;
+  if (r->next) r->next->prev = r->prev;
+  memset(r, 0, sizeof *r);
+  r->next = rec_free;
+  rec_free = r;
+  rec_count--;
+}
+
+/* Drops records of threads that no longer exist. Their allocation counts
+ * stay in the totals; their cached blocks stay counted as cached (they were
+ * in the dead thread's TLS and cannot be reached any more). */
+static void sweep_dead(void) {   /* registry lock held */
+  pid_t pid = getpid();
+  for (hk_thread_rec_t* r = registry, *next; r; r = next) {
+    next = r->next;
+    if (syscall(SYS_tgkill, pid, (pid_t)r->tid, 0) != 0 && errno == ESRCH) {
+      for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+        hk_add_relaxed(&_hk_central[cls].c.allocs, hk_load_relaxed(&r->allocs[cls]));
+        hk_add_relaxed(&_hk_central[cls].c.lost_blocks, hk_load_relaxed(&r->cached[cls]));
+      }
+      rec_unlink(r);
+      hk_sub_relaxed(&_hk_proc.threads, 1);
+    }
+  }
+  rec_count_at_sweep = rec_count;
+}
+
+void _hk_publish(hk_tcache_t* tc, unsigned cls) {
+  hk_thread_rec_t* r = tc->rec;
+  if (!r) return;
+  hk_store_relaxed(&r->allocs[cls], tc->bin[cls].allocs);
+  hk_store_relaxed(&r->cached[cls], tc->bin[cls].count);
+}
+
+void _hk_publish_all(hk_tcache_t* tc) {
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) _hk_publish(tc, cls);
+}
+
 static void thread_exit(void* arg) {
   hk_tcache_t* tc = &_hk_tc;
   if (tc->state != HK_TC_ACTIVE) return;
   _hk_flush_thread(tc);
   _hk_registry_lock();
-  if (tc->prev) tc->prev->next = tc->next; else registry = tc->next;
-  if (tc->next) tc->next->prev = tc->prev;
-  tc->next = tc->prev = NULL;
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_add_relaxed(&_hk_central[cls].c.allocs, tc->bin[cls].allocs);
     tc->bin[cls].allocs = 0;
     tc->bin[cls].cap = 0;   /* from now on every call goes the direct way */
   }
+  if (tc->rec) rec_unlink(tc->rec);
+  tc->rec = NULL;
   hk_sub_relaxed(&_hk_proc.threads, 1);
   tc->state = HK_TC_DEAD;
   _hk_registry_unlock();
@@ -115,12 +186,19 @@ hk_tcache_t* _hk_tcache_setup(void) {
   if (!_hk_initialized) _hk_init();
   if (tc->state != HK_TC_NEW) return tc;
   tc->tid = _hk_os_tid();
-  tc->last_gc_ns = _hk_now_ns();
+  tc->last_gc_ns = _hk_os_now_coarse_ns();
   _hk_registry_lock();
-  tc->prev = NULL;
-  tc->next = registry;
-  if (registry) registry->prev = tc;
-  registry = tc;
+  if (rec_count >= 64 && rec_count >= 2 * rec_count_at_sweep) sweep_dead();
+  hk_thread_rec_t* r = rec_alloc();
+  if (r) {
+    r->tid = tc->tid;
+    r->prev = NULL;
+    r->next = registry;
+    if (registry) registry->prev = r;
+    registry = r;
+    rec_count++;
+  }
+  tc->rec = r;
   hk_add_relaxed(&_hk_proc.threads, 1);
   hk_add_relaxed(&_hk_proc.threads_total, 1);
   tc->state = HK_TC_ACTIVE;
@@ -133,13 +211,16 @@ hk_tcache_t* _hk_tcache_setup(void) {
   return tc;
 }
 
-/* Sums every live thread's counters into per-class allocs/cached (stats.c). */
+/* Sums every live thread's published counters (stats.c). */
 void _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks) {
+  hk_tcache_t* me = &_hk_tc;
+  if (me->state == HK_TC_ACTIVE) _hk_publish_all(me);
   _hk_registry_lock();
-  for (hk_tcache_t* t = registry; t; t = t->next)
+  if (rec_count <= 64 || rec_count >= 2 * rec_count_at_sweep) sweep_dead();
+  for (hk_thread_rec_t* r = registry; r; r = r->next)
     for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-      allocs[cls] += __atomic_load_n(&t->bin[cls].allocs, __ATOMIC_RELAXED);
-      cached_blocks[cls] += __atomic_load_n(&t->bin[cls].count, __ATOMIC_RELAXED);
+      allocs[cls] += hk_load_relaxed(&r->allocs[cls]);
+      cached_blocks[cls] += hk_load_relaxed(&r->cached[cls]);
     }
   _hk_registry_unlock();
 }
@@ -167,18 +248,25 @@ static void fork_child(void) {
   _hk_central_reinit_locks();
   _hk_lock_reinit(&registry_lock);
   _hk_policy_reinit_lock();
-  /* Only the forking thread exists now. Other threads' cached blocks stay
-   * counted as out of their slabs: a bounded leak, as in every allocator. */
+  /* Only the forking thread exists now. The other threads' records go, as
+   * a sweep would drop them; their cached blocks stay out of their slabs
+   * (a bounded leak, as in every allocator). */
   hk_tcache_t* me = &_hk_tc;
-  registry = NULL;
-  uint64_t n = 0;
-  if (me->state == HK_TC_ACTIVE) {
-    me->next = me->prev = NULL;
-    registry = me;
-    me->tid = _hk_os_tid();
-    n = 1;
+  for (hk_thread_rec_t* r = registry, *next; r; r = next) {
+    next = r->next;
+    if (r == me->rec) continue;
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+      hk_add_relaxed(&_hk_central[cls].c.allocs, hk_load_relaxed(&r->allocs[cls]));
+      hk_add_relaxed(&_hk_central[cls].c.lost_blocks, hk_load_relaxed(&r->cached[cls]));
+    }
+    rec_unlink(r);
   }
-  hk_store_relaxed(&_hk_proc.threads, n);
+  rec_count_at_sweep = rec_count;
+  if (me->state == HK_TC_ACTIVE) {
+    me->tid = _hk_os_tid();
+    if (me->rec) me->rec->tid = me->tid;
+  }
+  hk_store_relaxed(&_hk_proc.threads, me->state == HK_TC_ACTIVE ? 1 : 0);
 }
 
 /* ---- start and exit --------------------------------------------------------- */

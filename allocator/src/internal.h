@@ -151,6 +151,8 @@ void        _hk_registry_lock(void);
 void        _hk_registry_unlock(void);
 uint64_t    _hk_now_ns(void);
 void        _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks);
+void        _hk_publish(hk_tcache_t* tc, unsigned cls);   /* bin counters -> record */
+void        _hk_publish_all(hk_tcache_t* tc);
 /* stats.c */
 void _hk_stats_collect(hk_stats_t* out);
 void _hk_stats_clock_start(void);

@@ -205,6 +205,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   bin->head = *(void**)p;
   bin->count = got - 1;
   bin->allocs++;
+  _hk_publish(tc, cls);
   return p;
 }
 
@@ -226,6 +227,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   _hk_unlock(&c->lock);
   bin->head = b;
   bin->count -= n;
+  _hk_publish(tc, cls);
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, n);
   release_all(release);

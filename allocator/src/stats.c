@@ -4,7 +4,7 @@
  * its own cache (plain stores, read here with relaxed loads), everything on
  * slow paths in the class's central counters (relaxed atomics). Gauges and
  * frees are derived here rather than counted on the fast path:
- *   blocks out of slabs = refill_blocks - drain_blocks
+ *   blocks out of slabs = refill_blocks - drain_blocks - lost_blocks
  *   cached blocks       = sum of thread cache lengths
  *   live blocks         = blocks out of slabs - cached blocks
  *   frees               = allocs - live blocks
@@ -47,7 +47,7 @@ void _hk_stats_collect(hk_stats_t* out) {
     s->slow_ns = ticks_to_ns(s->slow_ns);
     if (cls == 0) continue;   /* huge objects: counted directly in huge.c */
     s->allocs += tallocs[cls];
-    uint64_t out_blocks = s->refill_blocks - s->drain_blocks;
+    uint64_t out_blocks = s->refill_blocks - s->drain_blocks - s->lost_blocks;
     uint64_t cached = tcached[cls] < out_blocks ? tcached[cls] : out_blocks;
     uint64_t live = out_blocks - cached;
     s->frees = s->allocs >= live ? s->allocs - live : 0;

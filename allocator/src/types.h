@@ -7,6 +7,9 @@
  *                 its descriptor lives in the segment header.
  *   hk_central_t  per size class: the lock, partial slabs, the warm pool.
  *   hk_tcache_t   per thread: a bounded free list per size class (the fast path).
+ *   hk_thread_rec_t  per thread, outside TLS: what other threads may read
+ *                 about it (published counters), so a thread that died without
+ *                 its exit hook never leaves a pointer into freed TLS behind.
  *   hk_huge_t     header in front of an object larger than the largest class,
  *                 which gets a mapping of its own.
  *   hk_lock_t     a small spin-then-yield lock (never allocates, fork-safe).
@@ -150,6 +153,18 @@ typedef struct hk_bin_s {
 
 enum { HK_TC_NEW = 0, HK_TC_ACTIVE = 1, HK_TC_DEAD = 2 };
 
+/* Lives in allocator metadata (never unmapped), listed in the registry.
+ * The owning thread publishes its bins' counters here on its slow paths;
+ * stats read only these, never another thread's TLS. */
+typedef struct hk_thread_rec_s {
+  _Atomic uint64_t allocs[HK_NUM_CLASSES];  /* bin.allocs as last published */
+  _Atomic uint32_t cached[HK_NUM_CLASSES];  /* bin.count as last published */
+  uint32_t tid;                             /* kernel thread id */
+  uint32_t _pad;
+  struct hk_thread_rec_s* next;             /* registry, or free list */
+  struct hk_thread_rec_s* prev;
+} hk_thread_rec_t;
+
 typedef struct hk_tcache_s {
   hk_bin_t  bin[HK_NUM_CLASSES];
   uint64_t  policy_version;     /* version of the policy its caps came from */
@@ -157,8 +172,7 @@ typedef struct hk_tcache_s {
   uint64_t  gc_allocs[HK_NUM_CLASSES]; /* bin.allocs at the last pass */
   uint32_t  tid;
   int       state;              /* HK_TC_* */
-  struct hk_tcache_s* next;     /* registry of live thread caches */
-  struct hk_tcache_s* prev;
+  hk_thread_rec_t* rec;         /* this thread's published record */
 } hk_tcache_t;
 
 /* ---- huge objects ---------------------------------------------------------- */

@@ -207,12 +207,16 @@ static void* worker(void* arg) {
   memset(slots, 0, sizeof slots);
   long ops = 0;
   while (!atomic_load_explicit(&g_stop, memory_order_relaxed)) {
+    /* a short nap per 64 operations leaves the forked children some CPU */
+    struct timespec nap = {0, 50000};
+    nanosleep(&nap, NULL);
     obj_t o;
     while (mbox_pop(&g_mbox[self], &o)) check_free(o, "worker remote free");
     for (int k = 0; k < 64; k++, ops++) {
       int s = (int)(rnd(&rs) % WSLOTS);
       if (!slots[s].p) {
         size_t n = rand_size(&rs);
+        if (n > (1u << 20) && (rnd(&rs) & 7)) n >>= 4; /* fewer big ones here */
         unsigned char* p = (rnd(&rs) & 3) ? malloc(n) : calloc(1, n);
         if (!p) {
           FAILF("  worker malloc(%zu) = NULL\n", n);

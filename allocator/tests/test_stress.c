@@ -13,6 +13,9 @@
  *              (the receiver verifies and frees them).
  *   remote     one producer allocates, T-1 consumers verify and free.
  *   flush      the mixed phase again with hk_thread_flush() calls in between.
+ *   policy     the mixed phase while another thread keeps switching the
+ *              runtime policy (tiny/zero caches, no warm slabs, 1 ms drains,
+ *              back to the default) with hk_policy_set.
  *   stats      live_bytes summed over classes returns to within 1 MiB of its
  *              starting value once all threads have exited.
  *
@@ -41,7 +44,7 @@
 
 /* ---- configuration ------------------------------------------------------ */
 static int g_threads = 4;
-static long g_iters = 50000;    /* per thread, mixed phase */
+static long g_iters = 40000;    /* per thread, mixed phase */
 static uint64_t g_seed = 0x5eed1234abcdULL;
 
 /* ---- failures ------------------------------------------------------------ */
@@ -584,6 +587,53 @@ TEST(mixed_with_flush) {
   CHECK_EQ(atomic_load(&g_errors) - before, 0);
 }
 
+/* Switches between the default policy and extreme ones until told to stop. */
+static atomic_int g_policy_stop;
+static atomic_long g_policy_sets;
+
+static void* policy_thread(void* arg) {
+  static hk_policy_t def, small, zero;
+  hk_policy_get(&def);
+  small = def;
+  zero = def;
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    small.tcache_cap[c] = 2;
+    small.tcache_batch[c] = 1;
+    small.warm_slabs[c] = 0;
+    zero.tcache_cap[c] = 0; /* every call goes to the central lists */
+    zero.tcache_batch[c] = 1;
+  }
+  small.drain_ms = 1;
+  zero.drain_ms = 0;
+  const hk_policy_t* seq[] = {&small, &def, &zero, &def};
+  unsigned i = 0;
+  while (!atomic_load(&g_policy_stop)) {
+    if (hk_policy_set(seq[i++ % 4]) == 0) {
+      FAILF("  hk_policy_set rejected policy %u\n", (i - 1) % 4);
+      break;
+    }
+    atomic_fetch_add(&g_policy_sets, 1);
+    struct timespec ts = {0, 2000000};
+    nanosleep(&ts, NULL);
+  }
+  if (hk_policy_set(&def) == 0) FAILF("  could not restore the default policy\n");
+  return NULL;
+}
+
+TEST(mixed_with_policy_changes) {
+  long before = atomic_load(&g_errors);
+  pthread_t pt;
+  atomic_store(&g_policy_stop, 0);
+  REQUIRE(pthread_create(&pt, NULL, policy_thread, NULL) == 0);
+  run_mixed(g_iters / 2 > 0 ? g_iters / 2 : 1, 0, g_seed ^ 0x9011C7);
+  run_producer_consumer(g_iters / 2 < 1000 ? 1000 : g_iters / 2, g_seed ^ 0x9011C8);
+  atomic_store(&g_policy_stop, 1);
+  pthread_join(pt, NULL);
+  harness_say("  %ld policies installed meanwhile\n", atomic_load(&g_policy_sets));
+  CHECK(atomic_load(&g_policy_sets) > 0);
+  CHECK_EQ(atomic_load(&g_errors) - before, 0);
+}
+
 /* A single thread that only allocates then flushes; another frees it all
  * after the first one has exited (frees into an orphaned thread's slabs). */
 #define ORPHAN_N 4096
@@ -672,6 +722,7 @@ int main(int argc, char** argv) {
   RUN(remote_free_heavy);
   RUN(mixed_with_flush);
   RUN(free_after_owner_exit);
+  RUN(mixed_with_policy_changes);
   RUN(stats_end);
   if (atomic_load(&g_errors) > 20)
     harness_say("  (%ld errors in all, first 20 shown)\n", atomic_load(&g_errors));

@@ -21,6 +21,12 @@
  *                    objects to main while the thread is being torn down.
  *   detached         detached threads that allocate and exit on their own.
  *   final_gauges     threads gauge back to <= 2 after everything.
+ *   first_alloc_in_last_dtor_round
+ *                    a thread whose first allocation happens in a TSD
+ *                    destructor on the last destructor round: its thread
+ *                    cache must not stay registered after the thread is gone
+ *                    (run in a child with a deadline: a corrupted registry
+ *                    makes hk_stats_get loop forever).
  *
  * RSS is read from /proc/self/statm with open/read into a stack buffer.
  */
@@ -32,6 +38,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <limits.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "hakmem.h"
@@ -537,12 +546,75 @@ TEST(final_gauges) {
   CHECK(tot >= (uint64_t)g_total);
 }
 
+/* ---- first allocation on the last TSD destructor round ------------------- */
+static pthread_key_t g_late_key;
+static char g_late_marker;
+static __thread int g_late_round;
+
+static void late_dtor(void* v) {
+  (void)v;
+  if (++g_late_round < PTHREAD_DESTRUCTOR_ITERATIONS) {
+    pthread_setspecific(g_late_key, &g_late_marker); /* re-arm, no allocation */
+    return;
+  }
+  free(make_obj(100, 0x1a7e)); /* the thread's first allocator call */
+}
+
+static void* late_body(void* a) {
+  pthread_setspecific(g_late_key, &g_late_marker);
+  return a;
+}
+
+TEST(first_alloc_in_last_dtor_round) {
+  pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    if (pthread_key_create(&g_late_key, late_dtor) != 0) _exit(3);
+    uint64_t th, tot;
+    stats(&th, &tot);
+    /* one at a time: the second thread reuses the first one's stack and TLS */
+    for (int i = 0; i < 3; i++) {
+      pthread_t t;
+      if (pthread_create(&t, NULL, late_body, NULL) != 0) _exit(3);
+      pthread_join(t, NULL);
+      stats(&th, &tot); /* walks the registry of thread caches */
+    }
+    harness_say("  child: threads gauge %llu after 3 such threads\n", (unsigned long long)th);
+    _exit(th <= 2 ? 0 : 1);
+  }
+  int st = 0;
+  double waited = 0;
+  while (waitpid(pid, &st, WNOHANG) == 0) {
+    if (waited > 10.0) {
+      harness_say("  child still running after 10 s: hk_stats_get is looping "
+                  "(thread cache registry corrupted?); killing it\n");
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      break;
+    }
+    struct timespec ts = {0, 5000000};
+    nanosleep(&ts, NULL);
+    waited += 0.005;
+  }
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+static void on_alarm(int sig) {
+  (void)sig;
+  static const char msg[] = "test_thread_churn: timed out (hang)\n";
+  ssize_t w = write(2, msg, sizeof msg - 1);
+  (void)w;
+  _exit(3);
+}
+
 int main(void) {
   const char* e = getenv("CHURN_THREADS");
   if (e && *e) {
     long n = atol(e);
     if (n >= 10) g_total = n;
   }
+  signal(SIGALRM, on_alarm);
+  alarm(600);
   RUN(churn);
   RUN(no_alloc_threads);
   RUN(nested_exit);
@@ -550,5 +622,6 @@ int main(void) {
   RUN(tsd_destructors);
   RUN(detached);
   RUN(final_gauges);
+  RUN(first_alloc_in_last_dtor_round);
   return harness_done();
 }

@@ -24,6 +24,9 @@ ALLOC_CFLAGS := -std=gnu11 -fPIC -fvisibility=hidden -ftls-model=initial-exec \
   -Wno-unused-parameter -I$(INC_DIR) -I$(SRC_DIR) -pthread
 RELEASE_CFLAGS := -O2 -g -DNDEBUG
 DEBUG_CFLAGS   := -O1 -g -DHK_DEBUG=1 -fno-omit-frame-pointer
+# The debug build tells memcheck where blocks are when valgrind's headers
+# are there (make deps installs them); see internal.h "valgrind".
+DEBUG_CFLAGS   += $(if $(wildcard /usr/include/valgrind/memcheck.h),-DHK_VALGRIND=1)
 LDLIBS_ALLOC   := -pthread
 
 REL_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/obj/%.o)
@@ -94,7 +97,12 @@ $(BUILD)/debug/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(BUILD)/debug/libh
 	@$(if $(Q),echo "  TEST    $@")
 	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
 
-tests: all $(REL_TESTS) $(DBG_TESTS) ## build the C/C++ test programs (release and debug)
+$(BUILD)/debug/tests/vgcheck_bugs: $(TST_DIR)/vgcheck_bugs.c $(BUILD)/debug/libhakmem.a
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  TEST    $@")
+	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
+
+tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs ## build the C/C++ test programs (release and debug)
 
 test: deps tests ## install what tests need, build, run every test (C, stress, real programs, memcheck)
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh

@@ -28,6 +28,7 @@ HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
   bin->head = *(void**)p;
   bin->count--;
   bin->allocs++;
+  HK_VG_ALLOC(p, _hk_class[cls].size);
   return p;
 }
 
@@ -42,6 +43,7 @@ HK_INLINE void free_fast(void* p) {
     _hk_free_slow(p);
     return;
   }
+  HK_VG_FREE(p);
   *(void**)p = bin->head;
   bin->head = p;
   bin->count++;
@@ -98,6 +100,7 @@ HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
     maybe_gc(tc);
   }
   if (HK_UNLIKELY(!p)) errno = ENOMEM;
+  else HK_VG_ALLOC(p, _hk_class[cls].size);
   return p;
 }
 
@@ -124,6 +127,7 @@ HK_NOINLINE void _hk_free_slow(void* p) {
   hk_tcache_t* tc = tcache_slow();
   hk_bin_t* bin = &tc->bin[cls];
   if (p == bin->head) _hk_invalid_free(p, "double free");
+  HK_VG_FREE(p);
   if (tc->state != HK_TC_ACTIVE || bin->cap == 0) {
     _hk_free_direct(p, seg, page, cls);
     return;

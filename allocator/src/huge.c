@@ -72,6 +72,7 @@ static void* cache_take(size_t n, size_t off, bool* dirty_zero) {
     if (old_end > new_end + (new_end >> 2))
       _hk_os_decommit((uint8_t*)base + new_end, round_up(old_end, HK_OS_PAGE) - new_end);
     *dirty_zero = false;
+    HK_VG_DEFINED(base, map_len);   /* the old object was "freed" for memcheck */
     hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
     return place(base, map_len, off, n);
   }
@@ -99,6 +100,7 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
     _hk_unlock(&huge_lock);
   }
   header_of(user)->dirty = n;
+  HK_VG_ALLOC_ZERO(user, round_up(n, HK_OS_PAGE), zero);   /* fresh pages are zero */
   if (zero && !fresh) memset(user, 0, n);
   hk_add_relaxed(&c0->c.allocs, 1);
   hk_add_relaxed(&c0->c.live_bytes, n);
@@ -115,6 +117,9 @@ static hk_huge_t* checked_header(const void* p) {
 
 void _hk_huge_free(void* p) {
   hk_huge_t* h = checked_header(p);
+#if HK_VALGRIND
+  VALGRIND_FREELIKE_BLOCK(p, 0);
+#endif
   hk_central_t* c0 = &_hk_central[0];
   hk_sub_relaxed(&c0->c.live_bytes, h->size);
   hk_add_relaxed(&c0->c.frees, 1);
@@ -178,6 +183,7 @@ void* _hk_huge_realloc(void* p, size_t n) {
   }
   hk_add_relaxed(&c0->c.live_bytes, n);
   hk_sub_relaxed(&c0->c.live_bytes, h->size);
+  HK_VG_RESIZE(p, round_up(h->size, HK_OS_PAGE), round_up(n, HK_OS_PAGE));
   h->size = n;
   if (n > h->dirty) h->dirty = n;
   return p;

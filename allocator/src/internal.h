@@ -30,6 +30,34 @@
 #define HK_ASSERT(c) ((void)0)
 #endif
 
+/* ---- valgrind ---------------------------------------------------------------
+ * With HK_VALGRIND (the debug build, when valgrind's headers are installed)
+ * memcheck learns where blocks begin and end: a block handed out is
+ * "malloc-like" (usable size, contents undefined), a freed one "free-like"
+ * (no access) except its first word, which holds the free-list link that
+ * hakmem itself reads and writes. Memcheck then reports use after free,
+ * overflows past the usable size and reads of uninitialized heap memory in
+ * the program, and any touch of a freed block by hakmem beyond its link.
+ * Outside valgrind each annotation is a few no-op instructions.
+ */
+#if HK_VALGRIND
+#include <valgrind/memcheck.h>
+#define HK_VG_ALLOC(p, n)     VALGRIND_MALLOCLIKE_BLOCK((p), (n), 0, 0)
+#define HK_VG_ALLOC_ZERO(p, n, z) VALGRIND_MALLOCLIKE_BLOCK((p), (n), 0, (z))
+#define HK_VG_FREE(p)         do { VALGRIND_FREELIKE_BLOCK((p), 0); \
+                                   VALGRIND_MAKE_MEM_DEFINED((p), sizeof(void*)); } while (0)
+#define HK_VG_RESIZE(p, o, n) VALGRIND_RESIZEINPLACE_BLOCK((p), (o), (n), 0)
+#define HK_VG_DEFINED(p, n)   VALGRIND_MAKE_MEM_DEFINED((p), (n))
+#define HK_VG_NOACCESS(p, n)  VALGRIND_MAKE_MEM_NOACCESS((p), (n))
+#else
+#define HK_VG_ALLOC(p, n)     ((void)0)
+#define HK_VG_ALLOC_ZERO(p, n, z) ((void)0)
+#define HK_VG_FREE(p)         ((void)0)
+#define HK_VG_RESIZE(p, o, n) ((void)0)
+#define HK_VG_DEFINED(p, n)   ((void)0)
+#define HK_VG_NOACCESS(p, n)  ((void)0)
+#endif
+
 /* ---- atomics ----------------------------------------------------------------- */
 #define hk_load_relaxed(p)        atomic_load_explicit((p), memory_order_relaxed)
 #define hk_load_acquire(p)        atomic_load_explicit((p), memory_order_acquire)

@@ -121,6 +121,9 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   slab->cls = (uint16_t)cls;
   slab->pages = (uint8_t)k;
   slab->state = HK_SLAB_PARTIAL;
+  /* For memcheck, nothing in a new slab is addressable until take_blocks
+   * writes a block's link or the block is handed out. */
+  HK_VG_NOACCESS(start, (size_t)k << HK_PAGE_SHIFT);
   if (_hk_check_mode)
     memset(s->check_bits[first], 0, sizeof s->check_bits[first]);
   hk_add_relaxed(&_hk_proc.committed_bytes, (uint64_t)k << HK_PAGE_SHIFT);

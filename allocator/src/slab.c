@@ -71,6 +71,7 @@ static bool check_bit_flip(hk_slab_t* s, const void* b, bool set) {
 static void check_verify_fill(const hk_slab_t* s, const uint8_t* b) {
   size_t n = _hk_class[s->cls].size;
   if (n > CHECK_SPAN) n = CHECK_SPAN;
+  HK_VG_DEFINED(b, n);
   for (size_t i = sizeof(void*); i < n; i++)
     if (b[i] != CHECK_FILL) _hk_fatal("heap corruption: freed block written after free", b + i);
 }
@@ -102,6 +103,7 @@ static uint32_t take_blocks(hk_central_t* c, unsigned cls, uint32_t n,
       uint32_t m = (uint32_t)((size_t)(s->end - s->bump) / size);
       if (m > n - got) m = n - got;
       uint8_t* b = s->bump;
+      for (uint32_t i = 0; i < m; i++) HK_VG_DEFINED(b + (size_t)i * size, sizeof(void*));
       for (uint32_t i = 0; i + 1 < m; i++) *(void**)(b + (size_t)i * size) = b + (size_t)(i + 1) * size;
       *(void**)(b + (size_t)(m - 1) * size) = head;
       if (HK_UNLIKELY(_hk_check_mode))
@@ -135,7 +137,10 @@ static void give_block(hk_central_t* c, unsigned cls, void* b, uint32_t tid,
   if (HK_UNLIKELY(_hk_check_mode)) {
     if (!check_bit_flip(s, b, false)) _hk_invalid_free(b, "double free");
     size_t n = _hk_class[cls].size;
-    memset((uint8_t*)b + sizeof(void*), CHECK_FILL, (n > CHECK_SPAN ? CHECK_SPAN : n) - sizeof(void*));
+    n = n > CHECK_SPAN ? CHECK_SPAN : n;
+    HK_VG_DEFINED((uint8_t*)b + sizeof(void*), n - sizeof(void*));
+    memset((uint8_t*)b + sizeof(void*), CHECK_FILL, n - sizeof(void*));
+    HK_VG_NOACCESS((uint8_t*)b + sizeof(void*), n - sizeof(void*));
   }
   *(void**)b = s->free;
   s->free = b;

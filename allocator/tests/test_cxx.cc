@@ -36,19 +36,11 @@
 
 #include "hakmem.h"
 #include "harness.h"
+#include "testutil.h"
 
 namespace {
 
 constexpr int kThreads = 4;
-
-uint64_t mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
 
 uint64_t fnv(const void* data, size_t n, uint64_t h = 1469598103934665603ULL) {
   const unsigned char* p = static_cast<const unsigned char*>(data);
@@ -363,8 +355,7 @@ TEST(aligned_new) {
 
   // an impossible size: operator new must throw bad_alloc (malloc gives NULL).
   // Not under valgrind: it replaces operator new and aborts instead of throwing.
-  const char* pre = getenv("LD_PRELOAD");
-  if (pre && strstr(pre, "vgpreload")) return;
+  if (under_valgrind()) return;
   bool threw = false;
   try {
     volatile size_t huge = SIZE_MAX / 4;

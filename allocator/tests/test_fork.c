@@ -31,6 +31,7 @@
 
 #include "hakmem.h"
 #include "harness.h"
+#include "testutil.h" /* g_errors: parent-side failures (pattern, NULL) */
 
 extern char** environ;
 
@@ -40,38 +41,7 @@ extern char** environ;
 #define PARENT_N 300
 #define NFORKS 50
 
-static atomic_long g_errors; /* parent-side failures (pattern, NULL) */
-
-#define FAILF(...)                                                            \
-  do {                                                                        \
-    if (atomic_fetch_add(&g_errors, 1) < 20) harness_say(__VA_ARGS__);        \
-  } while (0)
-
-/* ---- randomness, patterns ------------------------------------------------ */
-static inline uint64_t mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-static inline uint64_t rnd(uint64_t* s) {
-  uint64_t x = *s;
-  x ^= x >> 12;
-  x ^= x << 25;
-  x ^= x >> 27;
-  *s = x;
-  return x * 0x2545F4914F6CDD1DULL;
-}
-
-static inline unsigned char pat(uint64_t seed, size_t i) {
-  uint64_t w = seed ^ ((uint64_t)(i >> 3) * 0x9E3779B97F4A7C15ULL);
-  w ^= w >> 29;
-  return (unsigned char)(w >> ((i & 7) * 8));
-}
-
+/* ---- patterns (mix64, rnd, pat: testutil.h) ----------------------------- */
 /* Small objects entirely; big ones: 256 bytes at each end and every 64 KiB. */
 static void fill(unsigned char* p, size_t n, uint64_t seed) {
   if (n <= 4096) {
@@ -114,17 +84,6 @@ typedef struct {
   size_t size;
   uint64_t seed;
 } obj_t;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int under_valgrind(void) {
-  const char* p = getenv("LD_PRELOAD");
-  return p && strstr(p, "vgpreload") != NULL;
-}
 
 static double g_deadline_s = 10.0;
 

@@ -34,6 +34,7 @@
 
 #include "hakmem.h"
 #include "harness.h"
+#include "testutil.h"
 
 #define MAX_THREADS 32
 #define NSLOTS 128          /* shadow slots per thread */
@@ -47,39 +48,7 @@ static int g_threads = 4;
 static long g_iters = 40000;    /* per thread, mixed phase */
 static uint64_t g_seed = 0x5eed1234abcdULL;
 
-/* ---- failures ------------------------------------------------------------ */
-static atomic_long g_errors;
-
-#define FAILF(...)                                                            \
-  do {                                                                        \
-    if (atomic_fetch_add(&g_errors, 1) < 20) harness_say(__VA_ARGS__);        \
-  } while (0)
-
-/* ---- randomness and patterns ------------------------------------------- */
-static inline uint64_t mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-static inline uint64_t rnd(uint64_t* s) { /* xorshift64* */
-  uint64_t x = *s;
-  x ^= x >> 12;
-  x ^= x << 25;
-  x ^= x >> 27;
-  *s = x;
-  return x * 0x2545F4914F6CDD1DULL;
-}
-
-static inline unsigned char pat(uint64_t seed, size_t i) {
-  uint64_t w = seed ^ ((uint64_t)(i >> 3) * 0x9E3779B97F4A7C15ULL);
-  w ^= w >> 29;
-  return (unsigned char)(w >> ((i & 7) * 8));
-}
-
+/* ---- patterns (mix64, rnd, pat, FAILF: testutil.h) ---------------------- */
 static inline size_t probe_pos(uint64_t seed, int k, size_t n) {
   return (size_t)(mix64(seed + (uint64_t)k + 1) % n);
 }
@@ -317,16 +286,21 @@ static uint64_t slot_seed(int tid, int slot, uint32_t gen) {
   return mix64(g_seed ^ ((uint64_t)tid << 48) ^ ((uint64_t)slot << 32) ^ gen);
 }
 
-static void slot_alloc(int tid, int s, slot_t* sl, uint64_t* rs) {
-  size_t n = rand_size(rs);
-  int kind;
-  unsigned char* p = alloc_random(rs, &n, &kind);
-  if (!p) return;
+/* Puts object p of n bytes in slot s as its next generation, patterned. */
+static void slot_set(int tid, int s, slot_t* sl, unsigned char* p, size_t n) {
   sl->gen++;
   sl->o.p = p;
   sl->o.size = n;
   sl->o.seed = slot_seed(tid, s, sl->gen);
   fill(p, n, sl->o.seed);
+}
+
+static void slot_alloc(int tid, int s, slot_t* sl, uint64_t* rs) {
+  size_t n = rand_size(rs);
+  int kind;
+  unsigned char* p = alloc_random(rs, &n, &kind);
+  if (!p) return;
+  slot_set(tid, s, sl, p, n);
   g_tstats[tid].allocs++;
   g_tstats[tid].by_kind[kind]++;
 }
@@ -358,11 +332,7 @@ static void slot_realloc(int tid, int s, slot_t* sl, uint64_t* rs) {
   if (malloc_usable_size(q) < n)
     FAILF("  malloc_usable_size(%p) = %zu < %zu after realloc\n", (void*)q,
           malloc_usable_size(q), n);
-  sl->gen++;
-  sl->o.p = q;
-  sl->o.size = n;
-  sl->o.seed = slot_seed(tid, s, sl->gen);
-  fill(q, n, sl->o.seed);
+  slot_set(tid, s, sl, q, n);
   g_tstats[tid].reallocs++;
 }
 

@@ -45,6 +45,7 @@
 
 #include "hakmem.h"
 #include "harness.h"
+#include "testutil.h"
 
 #define WAVE 8
 #define PER_THREAD 300
@@ -56,31 +57,6 @@ static long scaled(long n, long min) {
   long v = n * g_total / 5000;
   return v < min ? min : v;
 }
-static atomic_long g_errors;
-
-#define FAILF(...)                                                            \
-  do {                                                                        \
-    if (atomic_fetch_add(&g_errors, 1) < 20) harness_say(__VA_ARGS__);        \
-  } while (0)
-
-static inline uint64_t mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-static inline uint64_t rnd(uint64_t* s) {
-  uint64_t x = *s;
-  x ^= x >> 12;
-  x ^= x << 25;
-  x ^= x >> 27;
-  *s = x;
-  return x * 0x2545F4914F6CDD1DULL;
-}
-
 /* 70% 16..512, 25% 512..8 KiB, 5% 8..128 KiB */
 static size_t rand_size(uint64_t* s) {
   unsigned r = (unsigned)(rnd(s) % 100);
@@ -219,12 +195,7 @@ TEST(churn) {
   pthread_t t[WAVE];
   long done = 0;
   g_rss_warm = -1;
-  double t0;
-  {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    t0 = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-  }
+  double t0 = now_s();
   while (done < g_total) {
     int w = (int)(g_total - done < WAVE ? g_total - done : WAVE);
     for (int i = 0; i < w; i++) {
@@ -255,12 +226,7 @@ TEST(churn) {
     g_args[i].n_prev = 0;
   }
   g_rss_end = rss_bytes();
-  double t1;
-  {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    t1 = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-  }
+  double t1 = now_s();
   stats(&th1, &tot1);
   harness_say("  %ld threads in %.2f s; RSS after %ld: %ld KiB, after %ld: %ld KiB "
               "(growth %ld KiB); threads gauge %llu -> %llu, threads_total %llu -> %llu\n",

@@ -8,22 +8,12 @@
 #
 # Env: LIB = absolute path of libhakmem.so (required); WORK = scratch dir
 # (optional). Exit 0 pass, 77 skip (python3 missing), anything else = fail.
-set -u
-export LC_ALL=C
 name=01_python
-fail() { echo "$name: FAIL: $1"; [ -n "${2:-}" ] && [ -f "$2" ] && head -n 30 "$2"; exit 1; }
-[ -n "${LIB:-}" ] && [ -f "$LIB" ] || fail "LIB is unset or not a file: '${LIB:-}'"
-case "$LIB" in /*) ;; *) fail "LIB must be an absolute path: '$LIB'";; esac
+. "$(dirname "$0")/lib/common.sh" || exit 1
 if [ -x /usr/bin/python3 ]; then PY=/usr/bin/python3
 elif command -v python3 >/dev/null 2>&1; then PY=$(command -v python3)
-else echo "$name: SKIP: python3 not installed"; exit 77; fi
-base=${WORK:-${TMPDIR:-/tmp}}; mkdir -p "$base" || fail "cannot create WORK '$base'"
-T=$(mktemp -d "$base/$name.XXXXXX") || fail "mktemp failed"
-trap '[ -n "${KEEP:-}" ] || rm -rf "$T"' EXIT
-TO=$(command -v timeout >/dev/null 2>&1 && echo "timeout -k 5 60" || echo "")
-# Smoke test: the library must really be mapped into a preloaded process.
-LD_PRELOAD="$LIB" cat /proc/self/maps >"$T/maps" 2>"$T/maps.err" || fail "preloaded /bin/cat failed (rc $?)" "$T/maps.err"
-grep -qF "$(basename "$LIB")" "$T/maps" || fail "'$LIB' is not mapped in a preloaded process (LD_PRELOAD ignored?)" "$T/maps.err"
+else skip "python3 not installed"; fi
+setup_scratch 60
 
 cat > "$T/work.py" <<'PY'
 import sys, zlib, hashlib, random, gc, json
@@ -123,16 +113,10 @@ run() {
 }
 check() {   # check PYMODE
   local p="plain.${1:-pymalloc}" q="pre.${1:-pymalloc}"
-  grep -q "hakmem:" "$T/$q.err" && { echo "$name: FAIL: preloaded run ($q) printed 'hakmem:' on stderr"; grep -m5 "hakmem:" "$T/$q.err"; exit 1; }
-  grep -q "cannot be preloaded" "$T/$q.err" && fail "LD_PRELOAD of '$LIB' was ignored by ld.so" "$T/$q.err"
-  [ "$(cat "$T/$p.rc")" = 0 ] || fail "plain run ($p) exited $(cat "$T/$p.rc") (test bug or broken python)" "$T/$p.err"
+  check_preloaded_stderr "$q" "preloaded run ($q)"
+  check_plain_rc "$p" "test bug or broken python" "plain run ($p)"
   [ -s "$T/$p.out" ] || fail "plain run ($p) printed nothing" "$T/$p.err"
-  if [ "$(cat "$T/$q.rc")" != "$(cat "$T/$p.rc")" ]; then
-    echo "$name: FAIL: preloaded run ($q) exited $(cat "$T/$q.rc"), plain exited $(cat "$T/$p.rc")"; tail -n 20 "$T/$q.err"; exit 1
-  fi
-  if ! cmp -s "$T/$p.out" "$T/$q.out"; then
-    echo "$name: FAIL: stdout differs ($p vs $q)"; diff "$T/$p.out" "$T/$q.out" | head -n 20; tail -n 5 "$T/$q.err"; exit 1
-  fi
+  check_same "$p" "$q" "preloaded run ($q)" "stdout differs ($p vs $q)"
 }
 for pym in "" malloc; do
   run plain "$pym"; run pre "$pym"; check "$pym"

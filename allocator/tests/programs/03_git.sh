@@ -10,21 +10,11 @@
 #
 # Env: LIB = absolute path of libhakmem.so (required); WORK = scratch dir
 # (optional). Exit 0 pass, 77 skip (git missing), anything else = fail.
-set -u
-export LC_ALL=C
 name=03_git
-fail() { echo "$name: FAIL: $1"; [ -n "${2:-}" ] && [ -f "$2" ] && head -n 30 "$2"; exit 1; }
-[ -n "${LIB:-}" ] && [ -f "$LIB" ] || fail "LIB is unset or not a file: '${LIB:-}'"
-case "$LIB" in /*) ;; *) fail "LIB must be an absolute path: '$LIB'";; esac
-command -v git >/dev/null 2>&1 || { echo "$name: SKIP: git not installed"; exit 77; }
-command -v md5sum >/dev/null 2>&1 || { echo "$name: SKIP: md5sum not installed"; exit 77; }
-base=${WORK:-${TMPDIR:-/tmp}}; mkdir -p "$base" || fail "cannot create WORK '$base'"
-T=$(mktemp -d "$base/$name.XXXXXX") || fail "mktemp failed"
-trap '[ -n "${KEEP:-}" ] || rm -rf "$T"' EXIT
-TO=$(command -v timeout >/dev/null 2>&1 && echo "timeout -k 5 120" || echo "")
-# Smoke test: the library must really be mapped into a preloaded process.
-LD_PRELOAD="$LIB" cat /proc/self/maps >"$T/maps" 2>"$T/maps.err" || fail "preloaded /bin/cat failed (rc $?)" "$T/maps.err"
-grep -qF "$(basename "$LIB")" "$T/maps" || fail "'$LIB' is not mapped in a preloaded process (LD_PRELOAD ignored?)" "$T/maps.err"
+. "$(dirname "$0")/lib/common.sh" || exit 1
+need_cmd git
+need_cmd md5sum
+setup_scratch 120
 
 # The workload, run by a fresh bash in a clean environment. $1 = repo dir.
 cat > "$T/work.sh" <<'SH'
@@ -95,15 +85,9 @@ run() {   # run plain|pre
 }
 run plain; run pre
 p=plain q=pre
-grep -q "hakmem:" "$T/$q.err" && { echo "$name: FAIL: preloaded run printed 'hakmem:' on stderr"; grep -m5 "hakmem:" "$T/$q.err"; exit 1; }
-grep -q "cannot be preloaded" "$T/$q.err" && fail "LD_PRELOAD of '$LIB' was ignored by ld.so" "$T/$q.err"
-[ "$(cat "$T/$p.rc")" = 0 ] || fail "plain run exited $(cat "$T/$p.rc") (test bug or broken git)" "$T/$p.err"
+check_preloaded_stderr "$q"
+check_plain_rc "$p" "test bug or broken git"
 grep -qx "== done" "$T/$p.out" || fail "plain run did not finish" "$T/$p.err"
-if [ "$(cat "$T/$q.rc")" != "$(cat "$T/$p.rc")" ]; then
-  echo "$name: FAIL: preloaded run exited $(cat "$T/$q.rc"), plain exited $(cat "$T/$p.rc")"; tail -n 20 "$T/$q.err"; exit 1
-fi
-if ! cmp -s "$T/$p.out" "$T/$q.out"; then
-  echo "$name: FAIL: stdout differs (plain vs preloaded)"; diff "$T/$p.out" "$T/$q.out" | head -n 20; tail -n 5 "$T/$q.err"; exit 1
-fi
+check_same "$p" "$q"
 echo "$name: PASS (HEAD $(sed -n '/^== rev-parse/{n;p;q}' "$T/$p.out"))"
 exit 0

@@ -11,21 +11,11 @@
 #
 # Env: LIB = absolute path of libhakmem.so (required); WORK = scratch dir
 # (optional). Exit 0 pass, 77 skip (gcc missing), anything else = fail.
-set -u
-export LC_ALL=C
 name=05_gcc
-fail() { echo "$name: FAIL: $1"; [ -n "${2:-}" ] && [ -f "$2" ] && head -n 30 "$2"; exit 1; }
-[ -n "${LIB:-}" ] && [ -f "$LIB" ] || fail "LIB is unset or not a file: '${LIB:-}'"
-case "$LIB" in /*) ;; *) fail "LIB must be an absolute path: '$LIB'";; esac
-command -v gcc >/dev/null 2>&1 || { echo "$name: SKIP: gcc not installed"; exit 77; }
-command -v md5sum >/dev/null 2>&1 || { echo "$name: SKIP: md5sum not installed"; exit 77; }
-base=${WORK:-${TMPDIR:-/tmp}}; mkdir -p "$base" || fail "cannot create WORK '$base'"
-T=$(mktemp -d "$base/$name.XXXXXX") || fail "mktemp failed"
-trap '[ -n "${KEEP:-}" ] || rm -rf "$T"' EXIT
-TO=$(command -v timeout >/dev/null 2>&1 && echo "timeout -k 5 60" || echo "")
-# Smoke test: the library must really be mapped into a preloaded process.
-LD_PRELOAD="$LIB" cat /proc/self/maps >"$T/maps" 2>"$T/maps.err" || fail "preloaded /bin/cat failed (rc $?)" "$T/maps.err"
-grep -qF "$(basename "$LIB")" "$T/maps" || fail "'$LIB' is not mapped in a preloaded process (LD_PRELOAD ignored?)" "$T/maps.err"
+. "$(dirname "$0")/lib/common.sh" || exit 1
+need_cmd gcc
+need_cmd md5sum
+setup_scratch 60
 mkdir -p "$T/src"
 
 # --- generate the sources: gen.c (NF generated functions), main.c (driver)
@@ -167,15 +157,9 @@ run() {   # run plain|pre
 }
 run plain; run pre
 p=plain q=pre
-grep -q "hakmem:" "$T/$q.err" && { echo "$name: FAIL: preloaded run printed 'hakmem:' on stderr"; grep -m5 "hakmem:" "$T/$q.err"; exit 1; }
-grep -q "cannot be preloaded" "$T/$q.err" && fail "LD_PRELOAD of '$LIB' was ignored by ld.so" "$T/$q.err"
-[ "$(cat "$T/$p.rc")" = 0 ] || fail "plain build exited $(cat "$T/$p.rc") (test bug or broken gcc)" "$T/$p.err"
+check_preloaded_stderr "$q"
+check_plain_rc "$p" "test bug or broken gcc" "plain build"
 grep -q "^prog1 exit" "$T/$p.out" || fail "plain run did not finish" "$T/$p.out"
-if [ "$(cat "$T/$q.rc")" != "$(cat "$T/$p.rc")" ]; then
-  echo "$name: FAIL: preloaded build exited $(cat "$T/$q.rc"), plain exited $(cat "$T/$p.rc")"; tail -n 20 "$T/$q.err"; exit 1
-fi
-if ! cmp -s "$T/$p.out" "$T/$q.out"; then
-  echo "$name: FAIL: output differs (plain vs preloaded; md5 lines are gcc outputs)"; diff "$T/$p.out" "$T/$q.out" | head -n 20; tail -n 5 "$T/$q.err"; exit 1
-fi
+check_same "$p" "$q" "preloaded build" "output differs (plain vs preloaded; md5 lines are gcc outputs)"
 echo "$name: PASS ($(cat "$T/lines"), $(grep -m1 '^items' "$T/$p.out"))"
 exit 0

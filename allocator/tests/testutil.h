@@ -1,0 +1,70 @@
+/* testutil.h — helpers shared by hakmem's C/C++ tests (alongside harness.h).
+ *
+ *   mix64(x)          a 64-bit finalizer (splitmix64/murmur3 style)
+ *   rnd(&s)           xorshift64* step; s must be non-zero
+ *   pat(seed, i)      the pattern byte at position i of an object
+ *   now_s()           CLOCK_MONOTONIC in seconds
+ *   under_valgrind()  whether valgrind's preload is in LD_PRELOAD
+ *   FAILF(fmt, ...)   C only: counts a failure in g_errors and reports the
+ *                     first 20 through harness_say (include harness.h first)
+ *
+ * Everything here is static inline and never allocates, so tests may use it
+ * from threads, forked children and signal-sensitive paths alike.
+ */
+#ifndef HK_TESTUTIL_H
+#define HK_TESTUTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static inline uint64_t mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+static inline uint64_t rnd(uint64_t* s) { /* xorshift64* */
+  uint64_t x = *s;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  *s = x;
+  return x * 0x2545F4914F6CDD1DULL;
+}
+
+static inline unsigned char pat(uint64_t seed, size_t i) {
+  uint64_t w = seed ^ ((uint64_t)(i >> 3) * 0x9E3779B97F4A7C15ULL);
+  w ^= w >> 29;
+  return (unsigned char)(w >> ((i & 7) * 8));
+}
+
+static inline double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline int under_valgrind(void) {
+  const char* p = getenv("LD_PRELOAD");
+  return p && strstr(p, "vgpreload") != NULL;
+}
+
+#ifndef __cplusplus
+#include <stdatomic.h>
+
+/* Failures counted from any thread; a test checks g_errors == 0. */
+static atomic_long g_errors __attribute__((unused));
+
+#define FAILF(...)                                                            \
+  do {                                                                        \
+    if (atomic_fetch_add(&g_errors, 1) < 20) harness_say(__VA_ARGS__);        \
+  } while (0)
+#endif
+
+#endif /* HK_TESTUTIL_H */

@@ -77,22 +77,22 @@ $(BUILD)/debug/libhakmem.a: $(DBG_OBJS)
 
 # Tests link the static library, so malloc/free in the test binary are
 # hakmem's without any preload, and hk_* calls resolve directly.
-$(BUILD)/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(BUILD)/libhakmem.a
+$(BUILD)/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
 	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/libhakmem.a -pthread
 
-$(BUILD)/debug/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(BUILD)/debug/libhakmem.a
+$(BUILD)/debug/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/debug/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
 	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
 
-$(BUILD)/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(BUILD)/libhakmem.a
+$(BUILD)/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
 	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/libhakmem.a -pthread
 
-$(BUILD)/debug/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(BUILD)/debug/libhakmem.a
+$(BUILD)/debug/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/debug/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
 	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread

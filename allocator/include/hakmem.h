@@ -19,8 +19,10 @@ extern "C" {
 
 #define HK_API __attribute__((visibility("default")))
 
-/* Size classes: class 0 is reserved (never handed out), classes
- * 1..HK_NUM_CLASSES-1 have the sizes returned by hk_class_size(). */
+/* Size classes: classes 1..HK_NUM_CLASSES-1 have the sizes returned by
+ * hk_class_size() (16 B .. 1 MiB, four per doubling). Class 0 stands for
+ * "huge": objects above 1 MiB, each in a mapping of its own; in
+ * hk_stats_t.cls[0] only allocs, frees and live_bytes are used. */
 #define HK_NUM_CLASSES 61
 
 /* Per size class, cumulative unless marked "gauge".
@@ -47,7 +49,7 @@ extern "C" {
   X(mmap_calls,        "mmap calls")                                                \
   X(munmap_calls,      "munmap calls")                                              \
   X(madvise_calls,     "madvise calls")                                             \
-  X(committed_bytes,   "gauge: bytes mapped from the OS and not returned")          \
+  X(committed_bytes,   "gauge: bytes mapped for slabs and huge objects, not returned")          \
   X(threads,           "gauge: threads with a live thread cache")                   \
   X(threads_total,     "threads that ever had a thread cache")                      \
   X(huge_allocs,       "allocations above the largest class (own mapping)")         \

@@ -72,6 +72,26 @@ if [ "${MEMCHECK:-1}" != 0 ]; then
       run_one "memcheck/$(basename "$t")" 900 env STRESS_SCALE=0.02 CHURN_THREADS=400 \
         valgrind -q --error-exitcode=99 --soname-synonyms=somalloc=nouserintercepts "$t"
     done
+    # The other side: memcheck must see hakmem's blocks. A program with four
+    # planted bugs must draw all four reports (the debug build's annotations,
+    # internal.h "valgrind"); silence here means memcheck checks nothing.
+    vg_expect() {
+      local log
+      log=$(valgrind --error-exitcode=99 --soname-synonyms=somalloc=nouserintercepts "$1" 2>&1)
+      [ $? -eq 99 ] || { echo "memcheck did not fail on planted bugs"; echo "$log"; return 1; }
+      for want in "Invalid read of size 1" "Invalid write of size 1" \
+                  "depends on uninitialised value" "free'd"; do
+        grep -q "$want" <<<"$log" || { echo "memcheck missed: $want"; echo "$log"; return 1; }
+      done
+      echo "memcheck reported every planted bug"
+    }
+    if [ -f /usr/include/valgrind/memcheck.h ]; then   # as the Makefile decides
+      run_one "memcheck/sees_planted_bugs" 300 \
+        bash -c "$(declare -f vg_expect); vg_expect $BUILD/debug/tests/vgcheck_bugs"
+    else
+      echo "  debug build lacks valgrind annotations (no valgrind/memcheck.h): planted-bug check skipped"
+      skip=$((skip+1))
+    fi
   else
     echo "  valgrind not installed: memcheck pass skipped (make deps installs it)"
     skip=$((skip+1))

@@ -110,6 +110,20 @@ static void bad_double_free_nonadjacent(void) {
   free(launder(a));
 }
 
+/* A write into a block after it was freed; HAKMEM_CHECK=1 fills freed
+ * blocks and verifies the fill when it hands them out again. */
+static void bad_write_after_free(void) {
+  char* a = malloc(64);
+  if (!a) _exit(3);
+  memset(a, 0, 64);
+  free(a);
+  ((char*)launder(a))[20] = 'x';
+  for (int i = 0; i < 1000; i++) {   /* take every block of the class back */
+    void* p = malloc(64);
+    __asm__ volatile("" : : "r"(p) : "memory");
+  }
+}
+
 static void ok_valid_free(void) {
   void* p = malloc(64);
   void* q = malloc(64 * 1024);
@@ -128,6 +142,7 @@ typedef struct {
 } bad_case_t;
 
 static const bad_case_t cases[] = {
+    {"write_after_free", bad_write_after_free},
     {"free_stack", bad_free_stack},
     {"free_global", bad_free_global},
     {"free_interior_64", bad_free_interior_64},
@@ -221,17 +236,19 @@ static void describe(const char* name, const child_result_t* r) {
 }
 
 /* Asserts that case `name` aborts with the hakmem message. */
-static void expect_abort(const char* name, int reexec) {
+static void expect_abort_msg(const char* name, int reexec, const char* msg) {
   child_result_t r;
   int rc = run_child(name, reexec, &r);
   CHECK_EQ(rc, 0);
   if (rc != 0) return;
   int ok_sig = r.signaled && r.sig == SIGABRT;
-  int ok_msg = strstr(r.out, EXPECT_MSG) != NULL;
+  int ok_msg = strstr(r.out, msg) != NULL;
   if (!ok_sig || !ok_msg) describe(name, &r);
   CHECK(ok_sig);
   CHECK(ok_msg);
 }
+
+static void expect_abort(const char* name, int reexec) { expect_abort_msg(name, reexec, EXPECT_MSG); }
 
 TEST(free_stack) { expect_abort("free_stack", 0); }
 TEST(free_global) { expect_abort("free_global", 0); }
@@ -254,6 +271,10 @@ TEST(double_free_nonadjacent_checked) {
       harness_say("  note: non-adjacent double free not reported without "
                   "HAKMEM_CHECK=1 (allowed)\n");
   }
+}
+
+TEST(write_after_free_checked) {
+  expect_abort_msg("write_after_free", 1, "hakmem: heap corruption: freed block written after free");
 }
 
 TEST(valid_free_is_quiet) {
@@ -301,5 +322,6 @@ int main(int argc, char** argv) {
   RUN(free_foreign_mmap);
   RUN(realloc_stack);
   RUN(double_free_nonadjacent_checked);
+  RUN(write_after_free_checked);
   return harness_done();
 }

@@ -93,7 +93,7 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
   if (!user) {
     void* base;
     size_t align_map = off > HK_SEG_SIZE ? off : HK_SEG_SIZE;
-    if (_hk_os_map_aligned(map_len, align_map, &base) != 0) { errno = ENOMEM; return NULL; }
+    if (_hk_os_map_aligned(map_len, align_map, false, &base) != 0) { errno = ENOMEM; return NULL; }
     hk_add_relaxed(&_hk_proc.committed_bytes, map_len);
     _hk_lock(&huge_lock);
     user = place(base, map_len, off, n);

@@ -115,7 +115,7 @@ static hk_thread_rec_t* rec_alloc(void) {   /* registry lock held */
   if (r) { rec_free = r->next; return r; }
   if (rec_chunk_left < sizeof *r) {
     void* p;
-    if (_hk_os_map_aligned(REC_CHUNK, HK_OS_PAGE, &p) != 0) return NULL;
+    if (_hk_os_map_aligned(REC_CHUNK, HK_OS_PAGE, false, &p) != 0) return NULL;
     rec_chunk = p;
     rec_chunk_left = REC_CHUNK;
   }

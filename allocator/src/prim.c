@@ -10,10 +10,10 @@
 
 #include "internal.h"
 
-static int map_raw(void* hint, size_t len, void** out) {
+static int map_raw(size_t len, bool reserve, void** out) {
   hk_add_relaxed(&_hk_proc.mmap_calls, 1);
-  void* p = mmap(hint, len, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | (reserve ? MAP_NORESERVE : 0), -1, 0);
   if (p == MAP_FAILED) { *out = NULL; return errno ? errno : ENOMEM; }
   *out = p;
   return 0;
@@ -25,7 +25,7 @@ int _hk_os_unmap(void* p, size_t len) {
   return munmap(p, len) == 0 ? 0 : errno;
 }
 
-int _hk_os_map_aligned(size_t len, size_t align, void** out) {
+int _hk_os_map_aligned(size_t len, size_t align, bool reserve, void** out) {
   *out = NULL;
   if (align < HK_OS_PAGE) align = HK_OS_PAGE;
   if (len > SIZE_MAX - align) return ENOMEM;
@@ -34,8 +34,8 @@ int _hk_os_map_aligned(size_t len, size_t align, void** out) {
    * page-aligned addresses, so a 4 MiB boundary is hit 1 time in 1024.) */
   void* p;
   int err;
-  if (align == HK_OS_PAGE) return map_raw(NULL, len, out);
-  err = map_raw(NULL, len + align, &p);
+  if (align == HK_OS_PAGE) return map_raw(len, reserve, out);
+  err = map_raw(len + align, reserve, &p);
   if (err) return err;
   uintptr_t a = ((uintptr_t)p + align - 1) & ~(uintptr_t)(align - 1);
   size_t head = a - (uintptr_t)p;

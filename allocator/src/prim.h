@@ -8,12 +8,17 @@
 #ifndef HK_PRIM_H
 #define HK_PRIM_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
-/* Reserves and commits len bytes aligned to `align` (a power of two >= the
- * page size). *out is NULL on failure. */
-int _hk_os_map_aligned(size_t len, size_t align, void** out);
+/* Maps len bytes aligned to `align` (a power of two >= the page size).
+ * With `reserve`, the kernel does not account the memory up front
+ * (MAP_NORESERVE: address space for segments, committed page by page as
+ * slabs are used); without it, the kernel's overcommit policy judges the
+ * whole length at once, so an absurd request fails as it does in glibc.
+ * *out is NULL on failure. */
+int _hk_os_map_aligned(size_t len, size_t align, bool reserve, void** out);
 int _hk_os_unmap(void* p, size_t len);
 /* Gives the pages back; they read as zero when touched again. */
 int _hk_os_decommit(void* p, size_t len);

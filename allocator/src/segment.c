@@ -52,7 +52,7 @@ static hk_segment_t* segment_new(void) {
   }
   if (reserve_next == reserve_end) {
     void* base;
-    if (_hk_os_map_aligned(HK_RESERVE_SEGMENTS * HK_SEG_SIZE, HK_SEG_SIZE, &base) != 0)
+    if (_hk_os_map_aligned(HK_RESERVE_SEGMENTS * HK_SEG_SIZE, HK_SEG_SIZE, true, &base) != 0)
       return NULL;
     reserve_next = (uintptr_t)base;
     reserve_end = reserve_next + HK_RESERVE_SEGMENTS * HK_SEG_SIZE;

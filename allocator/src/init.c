@@ -31,6 +31,8 @@ __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
 
 hk_class_info_t _hk_class[HK_NUM_CLASSES];
 uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
+uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+uint64_t _hk_div_magic[HK_NUM_CLASSES];
 hk_proc_counters_t _hk_proc;
 int _hk_initialized;
 
@@ -82,13 +84,19 @@ static void classes_init(void) {
     if (!best) best = (unsigned)((size + HK_PAGE_SIZE - 1) >> HK_PAGE_SHIFT);
     ci->slab_pages = best;
     ci->slab_blocks = (uint32_t)(((uint64_t)best << HK_PAGE_SHIFT) / size);
-    ci->div_magic = UINT64_MAX / size + 1;
+    _hk_div_magic[cls] = UINT64_MAX / size + 1;
   }
   for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++) {
     size_t n = i ? (size_t)i * 16 : 1;
     unsigned cls = 1;
     while (_hk_class[cls].size < n) cls++;
     _hk_small_class[i] = (uint8_t)cls;
+  }
+  for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++) {
+    size_t n = i ? (size_t)i * 128 : 1;
+    unsigned cls = 1;
+    while (_hk_class[cls].size < n) cls++;
+    _hk_medium_class[i] = (uint8_t)cls;
   }
 }
 
@@ -183,7 +191,7 @@ static void thread_exit(void* arg) {
 
 hk_tcache_t* _hk_tcache_setup(void) {
   hk_tcache_t* tc = &_hk_tc;
-  if (!_hk_initialized) _hk_init();
+  if (!__atomic_load_n(&_hk_initialized, __ATOMIC_ACQUIRE)) _hk_init();
   if (tc->state != HK_TC_NEW) return tc;
   tc->tid = _hk_os_tid();
   tc->last_gc_ns = _hk_os_now_coarse_ns();

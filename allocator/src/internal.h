@@ -74,6 +74,10 @@ extern uint8_t _hk_map[HK_MAP_ENTRIES];
 extern hk_central_t _hk_central[HK_NUM_CLASSES];
 extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
 extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
+extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+/* ceil(2^64 / size) per class (0 for class 0), for the block-start test;
+ * an array of its own so free() indexes it with one scaled load. */
+extern uint64_t _hk_div_magic[HK_NUM_CLASSES];
 extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
 extern bool _hk_check_mode;                     /* HAKMEM_CHECK=1 */
 extern int  _hk_initialized;
@@ -91,6 +95,9 @@ extern hk_proc_counters_t _hk_proc;
  */
 HK_INLINE unsigned _hk_class_of(size_t n) {
   if (HK_LIKELY(n <= HK_SMALL_MAX)) return _hk_small_class[(n + 15) >> 4];
+  /* Class sizes above 1 KiB are multiples of 256, so 128-byte steps map
+   * every size to its class exactly. */
+  if (HK_LIKELY(n <= HK_MEDIUM_MAX)) return _hk_medium_class[(n + 127) >> 7];
   if (HK_UNLIKELY(n > HK_MAX_CLASS_SIZE)) return 0;
   size_t m = n - 1;
   unsigned b = 63u - (unsigned)__builtin_clzll(m);   /* 2^b <= m < 2^(b+1) */
@@ -125,7 +132,7 @@ HK_INLINE bool _hk_is_block_start(const hk_segment_t* seg, unsigned page,
                                   unsigned cls, const void* p) {
   uintptr_t start = (uintptr_t)seg + ((uintptr_t)seg->page_first[page] << HK_PAGE_SHIFT);
   uint64_t off = (uint64_t)((uintptr_t)p - start);
-  uint64_t m = _hk_class[cls].div_magic;
+  uint64_t m = _hk_div_magic[cls];
   return off * m < m;
 }
 

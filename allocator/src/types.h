@@ -38,7 +38,8 @@
 #define HK_OS_PAGE         4096u
 #define HK_MIN_ALIGN       16u
 
-#define HK_SMALL_MAX       1024u                       /* table lookup below */
+#define HK_SMALL_MAX       1024u                       /* 16-byte table below */
+#define HK_MEDIUM_MAX      32768u                      /* 128-byte table below */
 #define HK_MAX_CLASS_SIZE  ((size_t)1 << 20)           /* 1 MiB: larger is huge */
 #define HK_MAP_BITS        (47 - HK_SEG_SHIFT)         /* user space is 47 bits */
 #define HK_MAP_ENTRIES     ((size_t)1 << HK_MAP_BITS)
@@ -131,7 +132,6 @@ typedef struct hk_class_info_s {
   uint32_t slab_pages;    /* pages per slab */
   uint32_t slab_blocks;   /* blocks per slab */
   uint32_t _pad;
-  uint64_t div_magic;     /* ceil(2^64 / size): offset % size == 0 test */
 } hk_class_info_t;
 
 /* ---- thread cache ----------------------------------------------------------

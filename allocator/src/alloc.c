@@ -58,14 +58,16 @@ static hk_tcache_t* tcache_slow(void) {
   return tc;
 }
 
-/* Idle classes give their cached blocks back every drain interval. Checked
- * on the slow path only, with the cheapest clock. */
+/* Idle classes give their cached blocks back every drain interval, and idle
+ * warm pools shrink. Checked on the slow path only, with the cheapest clock. */
 static void maybe_gc(hk_tcache_t* tc) {
   uint32_t ms = _hk_drain_ms();
   if (ms == 0) return;
   uint64_t now = _hk_os_now_coarse_ns();
-  if (now - tc->last_gc_ns < (uint64_t)ms * 1000000u) return;
+  uint64_t interval = (uint64_t)ms * 1000000u;
+  if (now - tc->last_gc_ns < interval) return;
   tc->last_gc_ns = now;
+  _hk_warm_decay(now, interval);
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_bin_t* bin = &tc->bin[cls];
     if (bin->count && bin->allocs == tc->gc_allocs[cls]) {

@@ -72,9 +72,10 @@ static void classes_init(void) {
     hk_class_info_t* ci = &_hk_class[cls];
     uint32_t size = class_size_formula(cls);
     ci->size = size;
-    /* Pages per slab: enough for a few blocks, with at most 1/8 wasted at
-     * the end of the slab; one block per slab above 64 KiB. */
-    unsigned want = size <= 8192 ? 8 : size <= 65536 ? 4 : 1;
+    /* Pages per slab: at least 8 blocks up to 64 KiB (4 up to 128 KiB, then
+     * one), so medium slabs do not empty and refill at every swing of a
+     * working set; at most 1/8 of a slab wasted at its end. */
+    unsigned want = size <= 65536 ? 8 : size <= 131072 ? 4 : 1;
     unsigned best = 0;
     for (unsigned k = 1; k <= HK_SLAB_MAX_PAGES; k++) {
       uint64_t bytes = (uint64_t)k << HK_PAGE_SHIFT;

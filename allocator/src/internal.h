@@ -147,6 +147,7 @@ void  _hk_flush_thread(hk_tcache_t* tc);
 void* _hk_alloc_direct(unsigned cls);                  /* no thread cache */
 void  _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls);
 bool  _hk_trim_warm(void);
+void  _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns);
 void  _hk_central_init(void);
 void  _hk_central_lock_all(void);
 void  _hk_central_unlock_all(void);

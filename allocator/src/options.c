@@ -45,7 +45,7 @@ enum { OPT_TCACHE_CAP, OPT_TCACHE_BATCH, OPT_WARM_SLABS, OPT_DRAIN_MS, OPT_STATS
 static hk_option_t options[OPT_COUNT] = {
   [OPT_TCACHE_CAP]   = {"HAKMEM_TCACHE_CAP",   -1, 0, 4096,    "blocks", "thread-cache capacity, every class (default: by size)"},
   [OPT_TCACHE_BATCH] = {"HAKMEM_TCACHE_BATCH", -1, 1, 1024,    "blocks", "blocks per refill/drain, every class (default: cap/2)"},
-  [OPT_WARM_SLABS]   = {"HAKMEM_WARM_SLABS",   -1, 0, 1024,    "slabs",  "empty slabs kept per class (default: 256 KiB worth)"},
+  [OPT_WARM_SLABS]   = {"HAKMEM_WARM_SLABS",   -1, 0, 1024,    "slabs",  "empty slabs kept per class (default: 1 MiB worth)"},
   [OPT_DRAIN_MS]     = {"HAKMEM_DRAIN_MS",   1000, 0, 3600000, "ms",     "idle thread-cache drain interval, 0 = never"},
   [OPT_STATS]        = {"HAKMEM_STATS",         0, 0, 1,       "bool",   "print the per-class table at exit"},
   [OPT_CHECK]        = {"HAKMEM_CHECK",         0, 0, 1,       "bool",   "stricter checks: no thread cache, exact double-free detection, freed-block canaries"},
@@ -122,17 +122,21 @@ void _hk_policy_default(hk_policy_t* p) {
     bounds_of(cls, &b);
     uint64_t size = _hk_class[cls].size;
     uint64_t slab = (uint64_t)_hk_class[cls].slab_pages << HK_PAGE_SHIFT;
-    /* Small classes: up to 64 KiB cached per class; medium: up to 256 KiB,
-     * so a thread's caches stay within a few MiB however many classes it uses. */
+    /* Small classes: up to 64 KiB cached per class; medium: up to 1 MiB (at
+     * most 256 blocks), deep enough that churn of 8..32 KiB objects rarely
+     * reaches the class lock. Classes a thread stops using drain after one
+     * drain interval, so only classes in use keep memory parked. */
     uint32_t cap = size <= HK_SMALL_MAX ? clamp_u32((64u << 10) / size, 16, 1024)
-                                        : clamp_u32((256u << 10) / size, 1, 1024);
+                                        : clamp_u32((1024u << 10) / size, 1, 256);
     if (options[OPT_TCACHE_CAP].value >= 0)
       cap = clamp_u32((uint64_t)options[OPT_TCACHE_CAP].value, 0, b.cap_max);
     uint32_t batch = cap / 2 ? cap / 2 : 1;
     if (batch > 256) batch = 256;
     if (options[OPT_TCACHE_BATCH].value >= 0)
       batch = clamp_u32((uint64_t)options[OPT_TCACHE_BATCH].value, 1, cap ? cap : 1);
-    uint32_t warm = clamp_u32((256u << 10) / slab, 1, b.warm_max);
+    /* 1 MiB of empty slabs per class; pools nobody draws from shrink by
+     * half every drain interval (slab.c:_hk_warm_decay). */
+    uint32_t warm = clamp_u32((1024u << 10) / slab, 1, b.warm_max);
     if (options[OPT_WARM_SLABS].value >= 0)
       warm = clamp_u32((uint64_t)options[OPT_WARM_SLABS].value, 0, b.warm_max);
     p->tcache_cap[cls] = cap;

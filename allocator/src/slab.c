@@ -270,6 +270,32 @@ void _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
   release_all(release);
 }
 
+/* Once per drain interval, process-wide: a warm pool that no refill drew
+ * from since the last pass gives half its slabs (rounded up) back to the
+ * OS, so memory kept for a burst that is over flows back within a few
+ * intervals. Run by whichever thread's slow path notices the interval. */
+void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
+  static _Atomic uint64_t last_ns;
+  uint64_t last = hk_load_relaxed(&last_ns);
+  if (now_ns - last < interval_ns) return;
+  if (!atomic_compare_exchange_strong_explicit(&last_ns, &last, now_ns,
+        memory_order_relaxed, memory_order_relaxed)) return;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    hk_central_t* c = &_hk_central[cls];
+    if (c->warm_count == 0) {   /* racy peek: a miss waits for the next pass */
+      c->warm_seen = hk_load_relaxed(&c->c.slabs_from_warm);
+      continue;
+    }
+    hk_slab_t* release = NULL;
+    _hk_lock(&c->lock);
+    uint64_t taken = hk_load_relaxed(&c->c.slabs_from_warm);
+    if (taken == c->warm_seen) warm_shrink(c, cls, c->warm_count / 2, &release);
+    c->warm_seen = taken;
+    _hk_unlock(&c->lock);
+    release_all(release);
+  }
+}
+
 bool _hk_trim_warm(void) {
   bool any = false;
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {

@@ -123,6 +123,7 @@ typedef struct hk_central_s {
   hk_slab_t* warm;        /* empty slabs kept for reuse */
   uint32_t   warm_count;
   uint32_t   _pad;
+  uint64_t   warm_seen;   /* slabs_from_warm at the last decay pass */
   hk_class_counters_t c;  /* cumulative counters (relaxed atomics) */
 } __attribute__((aligned(64))) hk_central_t;
 

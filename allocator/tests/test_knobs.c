@@ -152,6 +152,35 @@ TEST(drain_interval_returns_idle_caches) {
   CHECK_EQ(drained, 0);
 }
 
+/* Fill the warm pool of one class, then keep only another class busy: with a
+ * drain interval the idle pool goes back to the OS a half at a time. */
+static uint64_t warm_released_while_idle(uint32_t drain_ms) {
+  unsigned c = hk_size_class(1000);
+  set_all(16, 8, 1024, drain_ms);
+  slab_churn(1000, 1);             /* ~45 empty slabs now in the warm pool */
+  hk_stats_t a, b;
+  snap(&a);
+  for (int t = 0; t < 8; t++) {
+    sleep_ms(60);
+    static void* busy[600];
+    for (int i = 0; i < 600; i++) busy[i] = malloc(3000);
+    for (int i = 0; i < 600; i++) free(busy[i]);
+  }
+  snap(&b);
+  return b.cls[c].slabs_to_os - a.cls[c].slabs_to_os;
+}
+
+TEST(drain_interval_shrinks_idle_warm_pools) {
+  uint64_t kept = warm_released_while_idle(0);
+  malloc_trim(0);
+  uint64_t released = warm_released_while_idle(50);
+  malloc_trim(0);
+  harness_say("  idle warm pool slabs returned: drain never %llu, drain 50 ms %llu\n",
+              (unsigned long long)kept, (unsigned long long)released);
+  CHECK_EQ(kept, 0);
+  CHECK(released >= 40);
+}
+
 TEST(lowering_capacity_drains_the_excess) {
   unsigned c = hk_size_class(64);
   set_all(1024, 128, 4, 0);
@@ -295,6 +324,7 @@ int main(int argc, char** argv) {
   RUN(warm_pool_zero_sends_slab_churn_to_the_os);
   RUN(large_warm_pool_keeps_slab_churn_off_the_os);
   RUN(drain_interval_returns_idle_caches);
+  RUN(drain_interval_shrinks_idle_warm_pools);
   RUN(lowering_capacity_drains_the_excess);
   RUN(out_of_bounds_policies_are_rejected_whole);
   RUN(environment_overrides_are_read_at_start);

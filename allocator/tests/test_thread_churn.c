@@ -234,7 +234,12 @@ TEST(churn) {
               (g_rss_end - g_rss_warm) / 1024, (unsigned long long)th0,
               (unsigned long long)th1, (unsigned long long)tot0, (unsigned long long)tot1);
   CHECK(g_rss_warm > 0 && g_rss_end > 0);
-  CHECK(g_rss_end - g_rss_warm < 8L << 20);
+  /* Under valgrind RSS is mostly the tool's own shadow memory, which grows
+   * with every page touched: the bound holds for the program, natively. */
+  if (under_valgrind())
+    harness_say("  note: under valgrind, RSS bound not checked\n");
+  else
+    CHECK(g_rss_end - g_rss_warm < 8L << 20);
   CHECK(th1 <= 2);
   CHECK(tot1 - tot0 >= (uint64_t)g_total);
   CHECK_EQ(atomic_load(&g_errors), 0);

@@ -51,11 +51,23 @@ HK_INLINE void free_fast(void* p) {
 }
 
 /* ---- slow paths ---------------------------------------------------------------- */
+/* malloc_trim in any thread asks every thread to return its cached blocks;
+ * each does so on its next slow path (no thread touches another's cache). */
+static _Atomic uint64_t trim_epoch;
+
 static hk_tcache_t* tcache_slow(void) {
   hk_tcache_t* tc = &_hk_tc;
-  if (HK_UNLIKELY(tc->state == HK_TC_NEW)) _hk_tcache_setup();
-  else if (tc->state == HK_TC_ACTIVE && tc->policy_version != _hk_policy_current_version())
-    _hk_tcache_apply_policy(tc);
+  if (HK_UNLIKELY(tc->state == HK_TC_NEW)) {
+    _hk_tcache_setup();
+    tc->trim_epoch = hk_load_relaxed(&trim_epoch);
+  } else if (tc->state == HK_TC_ACTIVE) {
+    if (tc->policy_version != _hk_policy_current_version()) _hk_tcache_apply_policy(tc);
+    uint64_t e = hk_load_relaxed(&trim_epoch);
+    if (HK_UNLIKELY(tc->trim_epoch != e)) {
+      tc->trim_epoch = e;
+      _hk_flush_thread(tc);
+    }
+  }
   return tc;
 }
 
@@ -279,7 +291,9 @@ HK_EXPORT int mallopt(int param, int value) { return 1; }
 
 HK_EXPORT int malloc_trim(size_t pad) {
   if (!_hk_initialized) return 0;
+  hk_add_relaxed(&trim_epoch, 1);
   hk_thread_flush();
+  _hk_tc.trim_epoch = hk_load_relaxed(&trim_epoch);
   bool any = _hk_trim_warm();
   any |= _hk_segment_trim();
   any |= _hk_huge_trim();

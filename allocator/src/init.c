@@ -12,8 +12,8 @@
  *  2. registry_lock guards the registry of thread records and its free list.
  *     A thread writes its own record's counters (relaxed atomics) without
  *     the lock; stats read them under it.
- *  3. Fork: the parent takes every allocator lock in a fixed order (policy,
- *     registry, classes, segments, huge) before fork and releases them after;
+ *  3. Fork: the parent takes every allocator lock in a fixed order (init,
+ *     policy, registry, classes, segments, huge) before fork and releases them after;
  *     the child re-initializes them and keeps only its own thread cache.
  */
 #define _GNU_SOURCE
@@ -236,6 +236,7 @@ void _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks) {
 
 /* ---- fork ------------------------------------------------------------------- */
 static void fork_prepare(void) {
+  _hk_lock(&init_lock);   /* a fork during initialization waits for it */
   _hk_policy_lock();
   _hk_registry_lock();
   _hk_central_lock_all();
@@ -249,9 +250,11 @@ static void fork_parent(void) {
   _hk_central_unlock_all();
   _hk_registry_unlock();
   _hk_policy_unlock();
+  _hk_unlock(&init_lock);
 }
 
 static void fork_child(void) {
+  _hk_lock_reinit(&init_lock);
   _hk_huge_reinit_lock();
   _hk_segment_reinit_lock();
   _hk_central_reinit_locks();

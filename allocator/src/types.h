@@ -169,6 +169,7 @@ typedef struct hk_thread_rec_s {
 typedef struct hk_tcache_s {
   hk_bin_t  bin[HK_NUM_CLASSES];
   uint64_t  policy_version;     /* version of the policy its caps came from */
+  uint64_t  trim_epoch;         /* malloc_trim calls seen (alloc.c) */
   uint64_t  last_gc_ns;         /* last idle-drain pass */
   uint64_t  gc_allocs[HK_NUM_CLASSES]; /* bin.allocs at the last pass */
   uint32_t  tid;

@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -181,6 +182,42 @@ TEST(drain_interval_shrinks_idle_warm_pools) {
   CHECK(released >= 40);
 }
 
+/* A worker parks blocks in its cache and waits; main calls malloc_trim;
+ * the worker's next slow path hands its cached blocks back. */
+static pthread_barrier_t trim_bar;
+static uint64_t trim_cached_before, trim_cached_after;
+
+static void* trim_worker(void* arg) {
+  unsigned c = hk_size_class(48);
+  batches(48, 2);                       /* blocks of class 48 now cached */
+  hk_stats_t s;
+  hk_stats_get(&s);                     /* publishes this thread's counts */
+  trim_cached_before = s.cls[c].cached_bytes;
+  pthread_barrier_wait(&trim_bar);      /* main trims */
+  pthread_barrier_wait(&trim_bar);
+  free(malloc(200000));                 /* any slow path */
+  hk_stats_get(&s);
+  trim_cached_after = s.cls[c].cached_bytes;
+  return arg;
+}
+
+TEST(malloc_trim_reaches_other_threads_caches) {
+  hk_thread_flush();
+  set_all(256, 8, 4, 0);
+  pthread_t t;
+  pthread_barrier_init(&trim_bar, NULL, 2);
+  REQUIRE(pthread_create(&t, NULL, trim_worker, NULL) == 0);
+  pthread_barrier_wait(&trim_bar);
+  malloc_trim(0);
+  pthread_barrier_wait(&trim_bar);
+  pthread_join(t, NULL);
+  pthread_barrier_destroy(&trim_bar);
+  harness_say("  other thread's cached bytes: before trim %llu, after its next slow path %llu\n",
+              (unsigned long long)trim_cached_before, (unsigned long long)trim_cached_after);
+  CHECK(trim_cached_before >= 48 * 50);
+  CHECK_EQ(trim_cached_after, 0);
+}
+
 TEST(lowering_capacity_drains_the_excess) {
   unsigned c = hk_size_class(64);
   set_all(1024, 128, 4, 0);
@@ -325,6 +362,7 @@ int main(int argc, char** argv) {
   RUN(large_warm_pool_keeps_slab_churn_off_the_os);
   RUN(drain_interval_returns_idle_caches);
   RUN(drain_interval_shrinks_idle_warm_pools);
+  RUN(malloc_trim_reaches_other_threads_caches);
   RUN(lowering_capacity_drains_the_excess);
   RUN(out_of_bounds_policies_are_rejected_whole);
   RUN(environment_overrides_are_read_at_start);

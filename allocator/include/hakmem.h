@@ -28,8 +28,10 @@ extern "C" {
 /* Per size class, cumulative unless marked "gauge".
  * X(name, description) */
 #define HK_CLASS_COUNTERS(X)                                                        \
-  X(allocs,         "blocks handed out (thread-cache hits + refilled blocks)")     \
+  X(allocs,         "blocks handed out")                                            \
+  X(hits,           "allocations served by the thread cache (derived: allocs - refills)") \
   X(frees,          "blocks freed (derived: allocs - live)")                        \
+  X(local_frees,    "frees returned to a slab the freeing thread refilled from (derived)") \
   X(refills,        "thread-cache refills (slow path)")                             \
   X(refill_blocks,  "blocks moved into thread caches by refills")                   \
   X(drains,         "thread-cache drains (cache over capacity or idle)")            \

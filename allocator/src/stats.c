@@ -8,6 +8,8 @@
  *   cached blocks       = sum of thread cache lengths
  *   live blocks         = blocks out of slabs - cached blocks
  *   frees               = allocs - live blocks
+ *   hits                = allocs - refills
+ *   local_frees         = frees - remote_frees
  * Slow-path time is kept in TSC ticks and converted with a rate measured
  * over the process's life (no clock call on the slow path).
  */
@@ -51,6 +53,10 @@ void _hk_stats_collect(hk_stats_t* out) {
     uint64_t cached = tcached[cls] < out_blocks ? tcached[cls] : out_blocks;
     uint64_t live = out_blocks - cached;
     s->frees = s->allocs >= live ? s->allocs - live : 0;
+    /* Each refill (and each cacheless allocation) serves one allocation
+     * itself; every other allocation was a hit. */
+    s->hits = s->allocs >= s->refills ? s->allocs - s->refills : 0;
+    s->local_frees = s->frees >= s->remote_frees ? s->frees - s->remote_frees : 0;
     s->live_bytes = live * s->size;
     s->cached_bytes = cached * s->size;
   }

@@ -71,6 +71,9 @@ TEST(large_capacity_makes_refills_rare) {
               (unsigned long long)allocs);
   CHECK(allocs >= 20000);
   CHECK(refills * 100 <= allocs);
+  uint64_t hits = st1.cls[c].hits - st0.cls[c].hits;
+  CHECK(hits * 100 >= allocs * 99);
+  CHECK(st1.cls[c].local_frees + st1.cls[c].remote_frees == st1.cls[c].frees);
 }
 
 /* Fill many slabs of one class, free everything, repeat: the emptied slabs

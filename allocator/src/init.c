@@ -33,6 +33,7 @@ hk_class_info_t _hk_class[HK_NUM_CLASSES];
 uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
 uint64_t _hk_div_magic[HK_NUM_CLASSES];
+uint64_t _hk_div_limit[HK_NUM_CLASSES];
 hk_proc_counters_t _hk_proc;
 int _hk_initialized;
 
@@ -85,8 +86,25 @@ static void classes_init(void) {
     if (!best) best = (unsigned)((size + HK_PAGE_SIZE - 1) >> HK_PAGE_SHIFT);
     ci->slab_pages = best;
     ci->slab_blocks = (uint32_t)(((uint64_t)best << HK_PAGE_SHIFT) / size);
-    _hk_div_magic[cls] = UINT64_MAX / size + 1;
+    uint64_t c = UINT64_MAX / size + 1;
+    uint64_t e = c * size;                    /* d*c mod 2^64, < size */
+    _hk_div_magic[cls] = c;
+    _hk_div_limit[cls] = e ? (uint64_t)ci->slab_blocks * e : c;
   }
+#if HK_DEBUG
+  /* The block-start test against plain division, for every block start,
+   * the slack after the last block, and offsets just off a boundary. */
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    uint64_t size = _hk_class[cls].size, blocks = _hk_class[cls].slab_blocks;
+    uint64_t span = (uint64_t)_hk_class[cls].slab_pages << HK_PAGE_SHIFT;
+    for (uint64_t q = 0; q <= blocks; q++)
+      for (uint64_t d = 0; d < 64 && q * size + d < span; d += 16) {
+        uint64_t off = q * size + d;
+        bool want = off % size == 0 && off / size < blocks;
+        HK_ASSERT((off * _hk_div_magic[cls] < _hk_div_limit[cls]) == want);
+      }
+  }
+#endif
   for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++) {
     size_t n = i ? (size_t)i * 16 : 1;
     unsigned cls = 1;

@@ -75,9 +75,11 @@ extern hk_central_t _hk_central[HK_NUM_CLASSES];
 extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
 extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
-/* ceil(2^64 / size) per class (0 for class 0), for the block-start test;
- * an array of its own so free() indexes it with one scaled load. */
+/* Per class, for the block-start test (0 for class 0): ceil(2^64 / size),
+ * and the bound the product must stay under (see _hk_is_block_start).
+ * Arrays of their own so free() indexes each with one scaled load. */
 extern uint64_t _hk_div_magic[HK_NUM_CLASSES];
+extern uint64_t _hk_div_limit[HK_NUM_CLASSES];
 extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
 extern bool _hk_check_mode;                     /* HAKMEM_CHECK=1 */
 extern int  _hk_initialized;
@@ -125,15 +127,17 @@ HK_INLINE hk_segment_t* _hk_segment_of(const void* p) {
 HK_INLINE unsigned _hk_page_of(const void* p) {
   return (unsigned)(((uintptr_t)p >> HK_PAGE_SHIFT) & (HK_SEG_PAGES - 1));
 }
-/* Is p exactly a block boundary of its slab? Uses the divisibility test
- * off % d == 0  <=>  off * ceil(2^64/d) (mod 2^64) < ceil(2^64/d), valid for
- * off < 2^32 (Lemire, Kaser, Kurz 2019). */
+/* Is p the start of one of its slab's blocks? With c = ceil(2^64/d) and
+ * off < 2^32, off % d == 0 <=> off*c mod 2^64 < c (Lemire, Kaser, Kurz
+ * 2019). For off = q*d the product is q*e with e = d*c - 2^64 < d, so
+ * comparing with blocks*e instead of c also rejects q >= blocks: the slack
+ * at the end of a slab, where a block would overrun the slab. (e == 0 for
+ * powers of two, whose slabs have no slack; their bound stays c.) */
 HK_INLINE bool _hk_is_block_start(const hk_segment_t* seg, unsigned page,
                                   unsigned cls, const void* p) {
   uintptr_t start = (uintptr_t)seg + ((uintptr_t)seg->page_first[page] << HK_PAGE_SHIFT);
   uint64_t off = (uint64_t)((uintptr_t)p - start);
-  uint64_t m = _hk_div_magic[cls];
-  return off * m < m;
+  return off * _hk_div_magic[cls] < _hk_div_limit[cls];
 }
 
 /* ---- slow paths and helpers (one file each) --------------------------------- */

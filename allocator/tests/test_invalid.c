@@ -110,6 +110,16 @@ static void bad_double_free_nonadjacent(void) {
   free(launder(a));
 }
 
+/* The 48-byte class fills a 64 KiB slab with 1365 blocks and 16 bytes to
+ * spare: an address 1365 blocks in is a multiple of 48 but no block (one
+ * there would overrun the slab). */
+static void bad_free_slab_slack(void) {
+  char* p = malloc(48);
+  if (!p || malloc_usable_size(p) != 48) _exit(3);
+  uintptr_t start = (uintptr_t)p & ~(uintptr_t)0xffff;
+  free(launder((void*)(start + 1365 * 48)));
+}
+
 /* A write into a block after it was freed; HAKMEM_CHECK=1 fills freed
  * blocks and verifies the fill when it hands them out again. */
 static void bad_write_after_free(void) {
@@ -143,6 +153,7 @@ typedef struct {
 
 static const bad_case_t cases[] = {
     {"write_after_free", bad_write_after_free},
+    {"free_slab_slack", bad_free_slab_slack},
     {"free_stack", bad_free_stack},
     {"free_global", bad_free_global},
     {"free_interior_64", bad_free_interior_64},
@@ -273,6 +284,8 @@ TEST(double_free_nonadjacent_checked) {
   }
 }
 
+TEST(free_slab_slack) { expect_abort("free_slab_slack", 0); }
+
 TEST(write_after_free_checked) {
   expect_abort_msg("write_after_free", 1, "hakmem: heap corruption: freed block written after free");
 }
@@ -322,6 +335,7 @@ int main(int argc, char** argv) {
   RUN(free_foreign_mmap);
   RUN(realloc_stack);
   RUN(double_free_nonadjacent_checked);
+  RUN(free_slab_slack);
   RUN(write_after_free_checked);
   return harness_done();
 }

@@ -23,10 +23,12 @@ ALLOC_CFLAGS := -std=gnu11 -fPIC -fvisibility=hidden -ftls-model=initial-exec \
   -fno-stack-protector -fno-plt -Wall -Wextra -Wshadow -Wstrict-prototypes \
   -Wno-unused-parameter -I$(INC_DIR) -I$(SRC_DIR) -pthread
 RELEASE_CFLAGS := -O2 -g -DNDEBUG
-DEBUG_CFLAGS   := -O1 -g -DHK_DEBUG=1 -fno-omit-frame-pointer
 # The debug build tells memcheck where blocks are when valgrind's headers
-# are there (make deps installs them); see internal.h "valgrind".
-DEBUG_CFLAGS   += $(if $(wildcard /usr/include/valgrind/memcheck.h),-DHK_VALGRIND=1)
+# are there (make deps installs them); see internal.h "valgrind". Expanded
+# late (=, not :=) so `make test` sees the headers deps just installed, and
+# recorded in a stamp so objects rebuild when the answer changes.
+DEBUG_CFLAGS    = -O1 -g -DHK_DEBUG=1 -fno-omit-frame-pointer \
+  $(if $(wildcard /usr/include/valgrind/memcheck.h),-DHK_VALGRIND=1)
 LDLIBS_ALLOC   := -pthread
 
 REL_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/obj/%.o)
@@ -54,7 +56,14 @@ $(BUILD)/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile
 	@$(if $(Q),echo "  CC      $@")
 	$(Q)$(CC) $(ALLOC_CFLAGS) $(RELEASE_CFLAGS) -c $< -o $@
 
-$(BUILD)/debug/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile
+$(BUILD)/debug/cflags.stamp: FORCE
+	@mkdir -p $(@D)
+	@echo '$(DEBUG_CFLAGS)' | cmp -s - $@ || echo '$(DEBUG_CFLAGS)' > $@
+
+.PHONY: FORCE
+FORCE:
+
+$(BUILD)/debug/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile $(BUILD)/debug/cflags.stamp
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  CC      $@")
 	$(Q)$(CC) $(ALLOC_CFLAGS) $(DEBUG_CFLAGS) -c $< -o $@

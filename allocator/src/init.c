@@ -58,8 +58,6 @@ void _hk_lock_slow(hk_lock_t* l) {
 void _hk_registry_lock(void) { _hk_lock(&registry_lock); }
 void _hk_registry_unlock(void) { _hk_unlock(&registry_lock); }
 
-uint64_t _hk_now_ns(void) { return _hk_os_now_ns(); }
-
 /* ---- size classes ----------------------------------------------------------- */
 static uint32_t class_size_formula(unsigned cls) {
   if (cls <= 8) return cls * 16u;

@@ -152,7 +152,6 @@ void* _hk_alloc_direct(unsigned cls);                  /* no thread cache */
 void  _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls);
 bool  _hk_trim_warm(void);
 void  _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns);
-void  _hk_central_init(void);
 void  _hk_central_lock_all(void);
 void  _hk_central_unlock_all(void);
 void  _hk_central_reinit_locks(void);
@@ -189,7 +188,6 @@ void        _hk_init(void);
 hk_tcache_t* _hk_tcache_setup(void);                   /* first slow path */
 void        _hk_registry_lock(void);
 void        _hk_registry_unlock(void);
-uint64_t    _hk_now_ns(void);
 void        _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks);
 void        _hk_publish(hk_tcache_t* tc, unsigned cls);   /* bin counters -> record */
 void        _hk_publish_all(hk_tcache_t* tc);

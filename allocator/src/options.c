@@ -165,7 +165,6 @@ static void install(const hk_policy_t* p) {
     hk_store_relaxed(&_hk_warm_limit[cls], cls ? p->warm_slabs[cls] : 0);
   uint64_t v = hk_load_relaxed(&live_version) + 1;
   live.version = v;
-  hk_store_relaxed(&_hk_proc.policy_version, v);
   hk_store_release(&live_version, v);
 }
 

@@ -37,6 +37,7 @@ void _hk_stats_collect(hk_stats_t* out) {
 #define HK_X_COPY(name, desc) out->name = hk_load_relaxed(&_hk_proc.name);
   HK_PROC_COUNTERS(HK_X_COPY)
 #undef HK_X_COPY
+  out->policy_version = _hk_policy_current_version();   /* the live word itself */
   uint64_t tallocs[HK_NUM_CLASSES] = {0}, tcached[HK_NUM_CLASSES] = {0};
   _hk_registry_sum(tallocs, tcached);
   for (unsigned cls = 0; cls < HK_NUM_CLASSES; cls++) {

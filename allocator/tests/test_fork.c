@@ -543,18 +543,9 @@ TEST(no_worker_errors) {
   CHECK_EQ(atomic_load(&g_errors), 0);
 }
 
-static void on_alarm(int sig) {
-  (void)sig;
-  static const char msg[] = "test_fork: parent timed out (deadlock in parent?)\n";
-  ssize_t w = write(2, msg, sizeof msg - 1);
-  (void)w;
-  _exit(3);
-}
-
 int main(void) {
   if (under_valgrind()) g_deadline_s = 60.0;
-  signal(SIGALRM, on_alarm);
-  alarm(under_valgrind() ? 1200 : 120);
+  hang_alarm(under_valgrind() ? 1200 : 120, "test_fork: parent timed out (deadlock in parent?)\n");
   for (int i = 0; i < NWORKERS; i++) pthread_mutex_init(&g_mbox[i].mu, NULL);
 
   RUN(fork_main_thread);

@@ -570,22 +570,13 @@ TEST(first_alloc_in_last_dtor_round) {
   CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 }
 
-static void on_alarm(int sig) {
-  (void)sig;
-  static const char msg[] = "test_thread_churn: timed out (hang)\n";
-  ssize_t w = write(2, msg, sizeof msg - 1);
-  (void)w;
-  _exit(3);
-}
-
 int main(void) {
   const char* e = getenv("CHURN_THREADS");
   if (e && *e) {
     long n = atol(e);
     if (n >= 10) g_total = n;
   }
-  signal(SIGALRM, on_alarm);
-  alarm(600);
+  hang_alarm(600, "test_thread_churn: timed out (hang)\n");
   RUN(churn);
   RUN(no_alloc_threads);
   RUN(nested_exit);

@@ -14,6 +14,8 @@
 #ifndef HK_TESTUTIL_H
 #define HK_TESTUTIL_H
 
+#include <unistd.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,6 +55,21 @@ static inline double now_s(void) {
 static inline int under_valgrind(void) {
   const char* p = getenv("LD_PRELOAD");
   return p && strstr(p, "vgpreload") != NULL;
+}
+
+/* Ends the test with `msg` on stderr (write(2), allocation-free) if it is
+ * still running after `secs` seconds: a hang fails instead of blocking CI. */
+static const char* hang_msg_;
+static inline void hang_alarm_handler_(int sig) {
+  (void)sig;
+  ssize_t w = write(2, hang_msg_, strlen(hang_msg_));
+  (void)w;
+  _exit(3);
+}
+static inline void hang_alarm(unsigned secs, const char* msg) {
+  hang_msg_ = msg;
+  signal(SIGALRM, hang_alarm_handler_);
+  alarm(secs);
 }
 
 #ifndef __cplusplus

@@ -3,9 +3,10 @@
  * Everything else (malloc, free, posix_memalign, malloc_usable_size, ...) is
  * the standard C/glibc API: link with -lhakmem or LD_PRELOAD=libhakmem.so.
  *
- * The counter lists below are the single definition of what the allocator
- * counts. They generate the C structs here, the HAKMEM_STATS=1 table and
- * (later) the shared-memory layout, so a field is added in one place only.
+ * The counter lists (hakmem_counters.h, generated from the one definition
+ * in schemas/shm_layout.json) generate the C structs here, the
+ * HAKMEM_STATS=1 table and the shared-memory layout, so a counter is added
+ * in one place only.
  */
 #ifndef HAKMEM_H
 #define HAKMEM_H
@@ -25,39 +26,9 @@ extern "C" {
  * hk_stats_t.cls[0] only allocs, frees and live_bytes are used. */
 #define HK_NUM_CLASSES 61
 
-/* Per size class, cumulative unless marked "gauge".
- * X(name, description) */
-#define HK_CLASS_COUNTERS(X)                                                        \
-  X(allocs,         "blocks handed out")                                            \
-  X(hits,           "allocations served by the thread cache (derived: allocs - refills)") \
-  X(frees,          "blocks freed (derived: allocs - live)")                        \
-  X(local_frees,    "frees returned to a slab the freeing thread refilled from (derived)") \
-  X(refills,        "thread-cache refills (slow path)")                             \
-  X(refill_blocks,  "blocks moved into thread caches by refills")                   \
-  X(drains,         "thread-cache drains (cache over capacity or idle)")            \
-  X(drain_blocks,   "blocks moved out of thread caches by drains")                  \
-  X(remote_frees,   "drained blocks whose slab was last refilled by another thread")\
-  X(lost_blocks,    "blocks stranded in caches of threads gone without cleanup")   \
-  X(slabs_from_warm,"slabs taken from the warm pool")                               \
-  X(slabs_from_os,  "slabs carved from fresh or returned memory")                   \
-  X(slabs_to_warm,  "empty slabs parked in the warm pool")                          \
-  X(slabs_to_os,    "empty slabs returned to the OS (madvise)")                     \
-  X(live_bytes,     "gauge: bytes in blocks handed out and not yet freed")          \
-  X(cached_bytes,   "gauge: bytes in blocks parked in thread caches")               \
-  X(slow_ns,        "nanoseconds spent in refill/drain slow paths")
-
-/* Per process. */
-#define HK_PROC_COUNTERS(X)                                                         \
-  X(mmap_calls,        "mmap calls")                                                \
-  X(munmap_calls,      "munmap calls")                                              \
-  X(madvise_calls,     "madvise calls")                                             \
-  X(committed_bytes,   "gauge: bytes mapped for slabs and huge objects, not returned")          \
-  X(threads,           "gauge: threads with a live thread cache")                   \
-  X(threads_total,     "threads that ever had a thread cache")                      \
-  X(huge_allocs,       "allocations above the largest class (own mapping)")         \
-  X(huge_cache_hits,   "huge allocations served from the huge cache")               \
-  X(policy_version,    "gauge: version of the policy in force")                     \
-  X(policies_rejected, "policies rejected by validation")
+/* The counter lists, HK_CLASS_COUNTERS(X) and HK_PROC_COUNTERS(X), each
+ * entry X(name, description), are generated from schemas/shm_layout.json. */
+#include "hakmem_counters.h"
 
 typedef struct hk_class_stats_s {
   uint64_t size; /* block size of the class in bytes */

@@ -72,11 +72,13 @@ static hk_tcache_t* tcache_slow(void) {
 }
 
 /* Idle classes give their cached blocks back every drain interval, and idle
- * warm pools shrink. Checked on the slow path only, with the cheapest clock. */
+ * warm pools shrink; telemetry records and policy snapshots are looked at.
+ * Checked on the slow path only, with the cheapest clock. */
 static void maybe_gc(hk_tcache_t* tc) {
+  uint64_t now = _hk_os_now_coarse_ns();
+  if (_hk_tel_on) _hk_tel_tick(now);
   uint32_t ms = _hk_drain_ms();
   if (ms == 0) return;
-  uint64_t now = _hk_os_now_coarse_ns();
   uint64_t interval = (uint64_t)ms * 1000000u;
   if (now - tc->last_gc_ns < interval) return;
   tc->last_gc_ns = now;

@@ -276,6 +276,7 @@ static void fork_child(void) {
   _hk_central_reinit_locks();
   _hk_lock_reinit(&registry_lock);
   _hk_policy_reinit_lock();
+  _hk_tel_after_fork_child();
   /* Only the forking thread exists now. The other threads' records go, as
    * a sweep would drop them; their cached blocks stay out of their slabs
    * (a bounded leak, as in every allocator). */
@@ -321,8 +322,15 @@ __attribute__((constructor(101))) static void hk_constructor(void) {
   if (_hk_options_env_missing()) _hk_options_init();
   pthread_atfork(fork_prepare, fork_parent, fork_child);
   if (_hk_stats_at_exit()) stats_fd = fcntl(2, F_DUPFD_CLOEXEC, 64);
+  _hk_tel_start();
 }
 
+/* The exit-time table and the telemetry file's last record come from one
+ * snapshot, so a reader's totals equal the printed ones. */
 __attribute__((destructor(101))) static void hk_destructor(void) {
-  if (_hk_stats_at_exit()) hk_stats_print(stats_fd >= 0 ? stats_fd : 2);
+  static hk_stats_t st;
+  if (!_hk_stats_at_exit() && !_hk_tel_on) return;
+  hk_stats_get(&st);
+  _hk_tel_exit(&st);
+  if (_hk_stats_at_exit()) _hk_stats_print_snapshot(stats_fd >= 0 ? stats_fd : 2, &st);
 }

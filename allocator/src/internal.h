@@ -183,6 +183,17 @@ void     _hk_policy_unlock(void);
 void     _hk_policy_reinit_lock(void);
 uint32_t _hk_drain_ms(void);
 void     _hk_options_print(int fd);
+const char* _hk_env_get(const char* name);             /* no allocation */
+bool     _hk_tel_enabled(void);
+uint32_t _hk_tel_epoch_ms(void);
+void     _hk_policy_publish_in_force(void);
+/* telemetry.c: the shared-memory file (slow path only) */
+extern bool _hk_tel_on;
+void _hk_tel_start(void);
+void _hk_tel_tick(uint64_t now_coarse_ns);
+void _hk_tel_exit(const hk_stats_t* st);
+void _hk_tel_after_fork_child(void);
+void _hk_tel_write_in_force(const hk_policy_t* p);     /* policy lock held */
 /* init.c */
 void        _hk_init(void);
 hk_tcache_t* _hk_tcache_setup(void);                   /* first slow path */
@@ -193,6 +204,7 @@ void        _hk_publish(hk_tcache_t* tc, unsigned cls);   /* bin counters -> rec
 void        _hk_publish_all(hk_tcache_t* tc);
 /* stats.c */
 void _hk_stats_collect(hk_stats_t* out);
+void _hk_stats_print_snapshot(int fd, const hk_stats_t* st);
 void _hk_stats_clock_start(void);
 /* error.c: report and abort, never allocating */
 HK_COLD __attribute__((noreturn)) void _hk_invalid_free(const void* p, const char* why);

@@ -2,7 +2,8 @@
  *
  * Start-up values come from HAKMEM_* environment variables, read once at
  * initialization (never on the fast path); they seed the live policy, which
- * is what hk_policy_set (and, later, the learner) changes at run time.
+ * is what hk_policy_set and the learner's snapshots (telemetry.c) change at
+ * run time.
  *
  * SYNCHRONIZATION
  *  1. policy_lock guards `live`. The version word is published with release
@@ -40,7 +41,8 @@ typedef struct hk_option_s {
   const char* desc;
 } hk_option_t;
 
-enum { OPT_TCACHE_CAP, OPT_TCACHE_BATCH, OPT_WARM_SLABS, OPT_DRAIN_MS, OPT_STATS, OPT_CHECK, OPT_COUNT };
+enum { OPT_TCACHE_CAP, OPT_TCACHE_BATCH, OPT_WARM_SLABS, OPT_DRAIN_MS, OPT_STATS, OPT_CHECK,
+       OPT_TELEMETRY, OPT_TELEMETRY_MS, OPT_COUNT };
 
 static hk_option_t options[OPT_COUNT] = {
   [OPT_TCACHE_CAP]   = {"HAKMEM_TCACHE_CAP",   -1, 0, 4096,    "blocks", "thread-cache capacity, every class (default: by size)"},
@@ -49,9 +51,11 @@ static hk_option_t options[OPT_COUNT] = {
   [OPT_DRAIN_MS]     = {"HAKMEM_DRAIN_MS",   1000, 0, 3600000, "ms",     "idle thread-cache drain interval, 0 = never"},
   [OPT_STATS]        = {"HAKMEM_STATS",         0, 0, 1,       "bool",   "print the per-class table at exit"},
   [OPT_CHECK]        = {"HAKMEM_CHECK",         0, 0, 1,       "bool",   "stricter checks: no thread cache, exact double-free detection, freed-block canaries"},
+  [OPT_TELEMETRY]    = {"HAKMEM_TELEMETRY",     1, 0, 1,       "bool",   "publish counters to HAKMEM_SHM_DIR when that directory exists"},
+  [OPT_TELEMETRY_MS] = {"HAKMEM_TELEMETRY_MS", 100, 10, 60000, "ms",     "minimum interval between telemetry records"},
 };
 
-static const char* env_get(const char* name) {
+const char* _hk_env_get(const char* name) {
   if (!environ) return NULL;
   size_t n = strlen(name);
   for (char** e = environ; *e; e++)
@@ -79,7 +83,7 @@ static void options_read(void) {
   env_missing = environ == NULL;
   for (int i = 0; i < OPT_COUNT; i++) {
     hk_option_t* o = &options[i];
-    const char* s = env_get(o->env);
+    const char* s = _hk_env_get(o->env);
     if (!s) continue;
     long long v;
     if (!parse_uint(s, &v) || v < o->min || v > o->max) {
@@ -96,6 +100,8 @@ static void options_read(void) {
 }
 
 bool _hk_stats_at_exit(void) { return opt_stats; }
+bool _hk_tel_enabled(void) { return options[OPT_TELEMETRY].value != 0; }
+uint32_t _hk_tel_epoch_ms(void) { return (uint32_t)options[OPT_TELEMETRY_MS].value; }
 
 /* ---- per-class bounds and defaults ---------------------------------------- */
 static uint32_t clamp_u32(uint64_t v, uint32_t lo, uint32_t hi) {
@@ -166,6 +172,14 @@ static void install(const hk_policy_t* p) {
   uint64_t v = hk_load_relaxed(&live_version) + 1;
   live.version = v;
   hk_store_release(&live_version, v);
+  _hk_tel_write_in_force(&live);
+}
+
+/* Writes the policy in force into a telemetry file just created. */
+void _hk_policy_publish_in_force(void) {
+  _hk_lock(&policy_lock);
+  _hk_tel_write_in_force(&live);
+  _hk_unlock(&policy_lock);
 }
 
 void _hk_options_init(void) {

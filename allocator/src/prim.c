@@ -46,6 +46,16 @@ int _hk_os_map_aligned(size_t len, size_t align, bool reserve, void** out) {
   return 0;
 }
 
+int _hk_os_map_file(int fd, size_t len, void** out) {
+  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  void* p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) { *out = NULL; return errno ? errno : ENOMEM; }
+  *out = p;
+  return 0;
+}
+
+int _hk_os_unmap_file(void* p, size_t len) { return _hk_os_unmap(p, len); }
+
 int _hk_os_decommit(void* p, size_t len) {
   if (len == 0) return 0;
   hk_add_relaxed(&_hk_proc.madvise_calls, 1);

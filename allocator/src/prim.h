@@ -26,6 +26,9 @@ int _hk_os_decommit(void* p, size_t len);
 int _hk_os_grow_in_place(void* p, size_t old_len, size_t new_len);
 /* Shrinks a mapping in place. */
 int _hk_os_shrink(void* p, size_t old_len, size_t new_len);
+/* Maps len bytes of file fd shared (the telemetry file), and unmaps it. */
+int _hk_os_map_file(int fd, size_t len, void** out);
+int _hk_os_unmap_file(void* p, size_t len);
 /* Monotonic clock in nanoseconds (vDSO, no syscall). */
 uint64_t _hk_os_now_ns(void);
 /* Coarse monotonic clock (a few ms resolution, cheapest to read). */

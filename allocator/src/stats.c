@@ -70,15 +70,19 @@ HK_EXPORT int hk_stats_get(hk_stats_t* out) {
   return 0;
 }
 
+/* The stats struct is ~8 KiB: kept off small thread stacks, and not
+ * allocated from ourselves while printing. */
+static hk_stats_t print_buf;
+static hk_lock_t print_lock;
+
 HK_EXPORT void hk_stats_print(int fd) {
-  hk_stats_t* st;
-  /* The stats struct is ~8 KiB: keep it off small thread stacks, and do not
-   * allocate from ourselves while printing. */
-  static hk_stats_t buf;
-  static hk_lock_t print_lock;
   _hk_lock(&print_lock);
-  st = &buf;
-  hk_stats_get(st);
+  hk_stats_get(&print_buf);
+  _hk_stats_print_snapshot(fd, &print_buf);
+  _hk_unlock(&print_lock);
+}
+
+void _hk_stats_print_snapshot(int fd, const hk_stats_t* st) {
   char b[512];
   size_t n = _hk_fmt(b, sizeof b,
       "hakmem: stats (policy v%lu, %lu policies rejected)\n"
@@ -126,5 +130,4 @@ HK_EXPORT void hk_stats_print(int fd) {
     _hk_os_write(fd, row, (size_t)(p - row));
   }
   _hk_options_print(fd);
-  _hk_unlock(&print_lock);
 }

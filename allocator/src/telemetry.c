@@ -1,0 +1,362 @@
+/* telemetry.c — the shared-memory file: counters out, policy snapshots in.
+ *
+ * When the telemetry directory exists (HAKMEM_SHM_DIR, default
+ * /dev/shm/hakmem; HAKMEM_TELEMETRY=0 turns this off) the process maps one
+ * file <dir>/<pid>-<starttime>, laid out as schemas/shm_layout.json says
+ * (shm_layout.h): a header, a ring of records of every counter, and the
+ * policy area where hakmem-learnd writes snapshots.
+ *
+ * Nothing here runs on the fast path. The slow path calls _hk_tel_tick with
+ * the coarse clock it already read: every HAKMEM_TELEMETRY_MS (default 100)
+ * one thread writes a record, and on every call it compares the snapshot
+ * version word with the last one it examined (one load).
+ *
+ * SYNCHRONIZATION
+ *  1. tel.lock (try-lock) makes one thread at a time write records and
+ *     examine snapshots; a thread that finds it taken moves on.
+ *  2. Records are seqlocked: seq odd while a slot is written, even after
+ *     (release); ring_head is stored with release after the record.
+ *  3. Snapshots: the writer fills slot[v % 2], then stores v with release.
+ *     We load v with acquire, copy the slot, and load v again: a changed
+ *     word means the copy may be torn, so it is examined again later. A copy
+ *     whose slot version, checksum or bounds are wrong is rejected whole and
+ *     counted; the policy in force stays.
+ *  4. in_force is written under the policy lock (options.c), checksum last;
+ *     readers retry on a checksum mismatch.
+ *  5. Fork: the child unmaps the parent's file (without removing it) and
+ *     makes its own on its first tick.
+ */
+#define _GNU_SOURCE
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <sys/auxv.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "prim.h"
+#include "shm_layout.h"
+
+_Static_assert(HK_SHM_NUM_CLASSES == HK_NUM_CLASSES, "layout and allocator agree on classes");
+
+#define HK_VERSION_STRING "0.2.0"
+
+enum { TEL_OFF = 0, TEL_ON = 1, TEL_PENDING = 2 };
+enum { REJ_NONE = 0, REJ_SLOT_VERSION = 1, REJ_CHECKSUM = 2, REJ_BOUNDS = 3 };
+
+bool _hk_tel_on;   /* read on the slow path: a file is mapped or pending */
+
+static struct {
+  int state;                  /* TEL_* */
+  hk_lock_t lock;
+  hk_shm_header_t* hdr;       /* the mapping */
+  hk_shm_record_t* ring;
+  hk_shm_policy_area_t* pol;
+  size_t len;
+  uint64_t epoch_ns;
+  uint64_t next_ns;           /* next record due (coarse clock) */
+  uint64_t last_seen;         /* snapshot version examined last */
+  char dir[512];
+  char path[600];
+  hk_shm_record_t prev;       /* last record written, for monotonic counters */
+  hk_stats_t st;              /* scratch (8 KiB: off the thread stacks) */
+} tel;
+
+/* ---- policy slots ------------------------------------------------------------ */
+/* FNV-1a 64 over the version and the slot after the checksum field. */
+static uint64_t slot_checksum(const hk_shm_policy_slot_t* s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  uint64_t v = s->version;
+  for (int i = 0; i < 8; i++) { h ^= (uint8_t)(v >> (8 * i)); h *= 0x100000001b3ull; }
+  const uint8_t* p = (const uint8_t*)&s->drain_ms;
+  const uint8_t* end = (const uint8_t*)(s + 1);
+  for (; p < end; p++) { h ^= *p; h *= 0x100000001b3ull; }
+  return h;
+}
+
+void _hk_tel_write_in_force(const hk_policy_t* p) {   /* policy lock held */
+  if (!tel.pol) return;
+  hk_shm_policy_slot_t s;
+  memset(&s, 0, sizeof s);
+  s.version = p->version;
+  s.drain_ms = p->drain_ms;
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    s.tcache_cap[c] = p->tcache_cap[c];
+    s.tcache_batch[c] = p->tcache_batch[c];
+    s.warm_slabs[c] = p->warm_slabs[c];
+  }
+  s.checksum = slot_checksum(&s);
+  volatile hk_shm_policy_slot_t* dst = &tel.pol->in_force;
+  dst->checksum = 0;   /* readers see a mismatch until the copy is whole */
+  atomic_thread_fence(memory_order_release);
+  memcpy((void*)&dst->version, &s.version, sizeof s.version);
+  memcpy((char*)dst + offsetof(hk_shm_policy_slot_t, drain_ms), (char*)&s + offsetof(hk_shm_policy_slot_t, drain_ms),
+         sizeof s - offsetof(hk_shm_policy_slot_t, drain_ms));
+  atomic_thread_fence(memory_order_release);
+  dst->checksum = s.checksum;
+}
+
+/* counted: whether hk_policy_set already counted it in policies_rejected */
+static void reject(unsigned why, bool counted) {
+  tel.hdr->reject_reason = why;
+  hk_store_release((_Atomic uint64_t*)&tel.hdr->rejected, tel.hdr->rejected + 1);
+  if (!counted) hk_add_relaxed(&_hk_proc.policies_rejected, 1);
+}
+
+/* Examines the published snapshot if it is new (tel.lock held). */
+static void poll_policy(void) {
+  _Atomic uint64_t* word = (_Atomic uint64_t*)&tel.pol->version;
+  uint64_t v = hk_load_acquire(word);
+  if (v == tel.last_seen) return;
+  hk_shm_policy_slot_t s;
+  memcpy(&s, (const void*)&tel.pol->slot[v & 1], sizeof s);
+  atomic_thread_fence(memory_order_acquire);
+  if (hk_load_relaxed(word) != v) return;    /* rewritten under us: later */
+  tel.last_seen = v;
+  tel.hdr->seen_version = v;
+  if (s.version != v) { reject(REJ_SLOT_VERSION, false); return; }
+  if (slot_checksum(&s) != s.checksum) { reject(REJ_CHECKSUM, false); return; }
+  hk_policy_t p;
+  memset(&p, 0, sizeof p);
+  bool ok = s.flags == 0 && s.tcache_cap[0] == 0 && s.tcache_batch[0] == 0 && s.warm_slabs[0] == 0;
+  p.drain_ms = s.drain_ms;
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    p.tcache_cap[c] = s.tcache_cap[c];
+    p.tcache_batch[c] = s.tcache_batch[c];
+    p.warm_slabs[c] = s.warm_slabs[c];
+  }
+  if (!ok) { reject(REJ_BOUNDS, false); return; }
+  /* hk_policy_set validates every value and counts its own rejections. */
+  if (hk_policy_set(&p) == 0) { reject(REJ_BOUNDS, true); return; }
+  tel.hdr->reject_reason = REJ_NONE;
+  hk_store_release((_Atomic uint64_t*)&tel.hdr->applied_version, v);
+}
+
+/* ---- records ----------------------------------------------------------------- */
+/* Counters are cumulative; a snapshot taken while threads publish can read a
+ * derived counter (hits, frees) a few blocks low, so each one is kept at
+ * least at its previous value. Gauges are written as read. */
+#define IS_GAUGE(desc) (desc[0] == 'g' && desc[1] == 'a' && desc[2] == 'u' && desc[3] == 'g')
+#define MONO(dst, prev, val, desc) \
+  ((dst) = (!IS_GAUGE(desc) && (val) < (prev)) ? (prev) : (val))
+
+static void write_record(const hk_stats_t* st, uint64_t now_ns) {   /* tel.lock held */
+  _Atomic uint64_t* headp = (_Atomic uint64_t*)&tel.hdr->ring_head;
+  uint64_t head = hk_load_relaxed(headp);
+  hk_shm_record_t* r = &tel.ring[head % HK_SHM_RING_SLOTS];
+  hk_shm_record_t* prev = &tel.prev;
+  _Atomic uint64_t* seqp = (_Atomic uint64_t*)&r->seq;
+  uint64_t seq = hk_load_relaxed(seqp);
+  hk_store_relaxed(seqp, seq | 1);
+  atomic_thread_fence(memory_order_release);
+  prev->index = head;
+  prev->time_ns = now_ns;
+#define HK_X_PROC(name, desc) MONO(prev->proc.name, prev->proc.name, st->name, desc);
+  HK_PROC_COUNTERS(HK_X_PROC)
+#undef HK_X_PROC
+  for (unsigned c = 0; c < HK_NUM_CLASSES; c++) {
+    hk_shm_class_t* d = &prev->cls[c];
+    const hk_class_stats_t* s = &st->cls[c];
+#define HK_X_CLS(name, desc) MONO(d->name, d->name, s->name, desc);
+    HK_CLASS_COUNTERS(HK_X_CLS)
+#undef HK_X_CLS
+  }
+  memcpy((char*)r + offsetof(hk_shm_record_t, index), (char*)prev + offsetof(hk_shm_record_t, index),
+         sizeof *r - offsetof(hk_shm_record_t, index));
+  hk_store_release(seqp, (seq | 1) + 1);
+  hk_store_release(headp, head + 1);
+}
+
+/* ---- creating the file --------------------------------------------------------- */
+/* Field 22 of /proc/self/stat, after the parenthesized command name. */
+static uint64_t read_start_time(void) {
+  char buf[1024];
+  int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  char* p = strrchr(buf, ')');
+  if (!p) return 0;
+  /* p+2 is field 3; skip to field 22 */
+  p += 2;
+  for (int field = 3; field < 22 && *p; p++)
+    if (*p == ' ') field++;
+  uint64_t v = 0;
+  while (*p >= '0' && *p <= '9') v = v * 10 + (uint64_t)(*p++ - '0');
+  return v;
+}
+
+/* The GNU build id of the main executable, from its program headers. */
+static void read_build_id(char* out, size_t cap) {
+  out[0] = 0;
+  const ElfW(Phdr)* ph = (const ElfW(Phdr)*)getauxval(AT_PHDR);
+  size_t n = getauxval(AT_PHNUM);
+  if (!ph || !n) return;
+  uintptr_t bias = 0;
+  for (size_t i = 0; i < n; i++)
+    if (ph[i].p_type == PT_PHDR) bias = (uintptr_t)ph - ph[i].p_vaddr;
+  for (size_t i = 0; i < n; i++) {
+    if (ph[i].p_type != PT_NOTE) continue;
+    const uint8_t* p = (const uint8_t*)(bias + ph[i].p_vaddr);
+    const uint8_t* end = p + ph[i].p_memsz;
+    while (p + sizeof(ElfW(Nhdr)) <= end) {
+      const ElfW(Nhdr)* nh = (const ElfW(Nhdr)*)p;
+      const uint8_t* name = p + sizeof *nh;
+      const uint8_t* desc = name + ((nh->n_namesz + 3) & ~3u);
+      if (nh->n_type == NT_GNU_BUILD_ID && nh->n_namesz == 4 && memcmp(name, "GNU", 4) == 0 &&
+          desc + nh->n_descsz <= end) {
+        static const char hex[] = "0123456789abcdef";
+        size_t k = 0;
+        for (size_t j = 0; j < nh->n_descsz && k + 2 < cap; j++) {
+          out[k++] = hex[desc[j] >> 4];
+          out[k++] = hex[desc[j] & 15];
+        }
+        out[k] = 0;
+        return;
+      }
+      p = desc + ((nh->n_descsz + 3) & ~3u);
+    }
+  }
+}
+
+static void fill_header(hk_shm_header_t* h, uint32_t pid, uint64_t start_time) {
+  h->layout_version = HK_SHM_LAYOUT_VERSION;
+  h->header_size = HK_SHM_HEADER_SIZE;
+  h->file_size = tel.len;
+  h->pid = pid;
+  h->uid = (uint32_t)getuid();
+  h->start_time = start_time;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  h->created_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+  h->ring_offset = HK_SHM_HEADER_SIZE;
+  h->ring_slots = HK_SHM_RING_SLOTS;
+  h->record_size = sizeof(hk_shm_record_t);
+  h->policy_offset = HK_SHM_HEADER_SIZE + (uint64_t)HK_SHM_RING_SLOTS * sizeof(hk_shm_record_t);
+  h->policy_size = sizeof(hk_shm_policy_area_t);
+  h->epoch_ms = (uint32_t)(tel.epoch_ns / 1000000u);
+  h->num_classes = HK_NUM_CLASSES;
+  hk_policy_bounds_t b;
+  hk_policy_bounds(1, &b);
+  h->batch_max = b.batch_max;
+  h->drain_ms_max = b.drain_ms_max;
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    hk_policy_bounds(c, &b);
+    h->class_size[c] = _hk_class[c].size;
+    h->cap_max[c] = b.cap_max;
+    h->warm_max[c] = b.warm_max;
+  }
+  ssize_t n = readlink("/proc/self/exe", h->exe, sizeof h->exe - 1);
+  h->exe[n > 0 ? n : 0] = 0;
+  read_build_id(h->build_id, sizeof h->build_id);
+  memcpy(h->hakmem_version, HK_VERSION_STRING, sizeof HK_VERSION_STRING);
+}
+
+/* Creates and maps this process's file; false leaves telemetry off. */
+static bool create_file(void) {
+  uint32_t pid = (uint32_t)getpid();
+  uint64_t start_time = read_start_time();
+  char name[64];
+  _hk_fmt(name, sizeof name, "%lu-%lu", (uint64_t)pid, start_time);
+  _hk_fmt(tel.path, sizeof tel.path, "%s/%s", tel.dir, name);
+  int dfd = open(tel.dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return false;
+  int fd = -1;
+  for (int attempt = 0; attempt < 2 && fd < 0; attempt++) {
+    fd = openat(dfd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0 || errno != EEXIST) break;
+    /* Same pid and start time: a file our own image left before exec. */
+    struct stat sb;
+    if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0 || sb.st_uid != getuid() ||
+        !S_ISREG(sb.st_mode) || unlinkat(dfd, name, 0) != 0)
+      break;
+  }
+  close(dfd);
+  if (fd < 0) return false;
+  size_t len = HK_SHM_HEADER_SIZE + (size_t)HK_SHM_RING_SLOTS * sizeof(hk_shm_record_t) +
+               sizeof(hk_shm_policy_area_t);
+  len = (len + HK_OS_PAGE - 1) & ~(size_t)(HK_OS_PAGE - 1);
+  void* map = NULL;
+  bool ok = fchmod(fd, 0600) == 0 && ftruncate(fd, (off_t)len) == 0 &&
+            _hk_os_map_file(fd, len, &map) == 0;
+  close(fd);
+  if (!ok) { unlink(tel.path); return false; }
+  tel.len = len;
+  tel.hdr = map;
+  tel.ring = (hk_shm_record_t*)((char*)map + HK_SHM_HEADER_SIZE);
+  tel.pol = (hk_shm_policy_area_t*)((char*)map + HK_SHM_HEADER_SIZE +
+                                    (size_t)HK_SHM_RING_SLOTS * sizeof(hk_shm_record_t));
+  tel.last_seen = 0;
+  fill_header(tel.hdr, pid, start_time);
+  _hk_policy_publish_in_force();
+  hk_store_release((_Atomic uint64_t*)&tel.hdr->magic, HK_SHM_MAGIC);
+  return true;
+}
+
+HK_INLINE bool tel_trylock(void) {
+  int expect = 0;
+  return atomic_compare_exchange_strong_explicit(&tel.lock.v, &expect, 1,
+           memory_order_acquire, memory_order_relaxed);
+}
+
+/* ---- entry points ---------------------------------------------------------- */
+void _hk_tel_start(void) {
+  if (!_hk_tel_enabled()) return;
+  const char* dir = _hk_env_get("HAKMEM_SHM_DIR");
+  if (!dir || !*dir) dir = "/dev/shm/hakmem";
+  if (strlen(dir) >= sizeof tel.dir) { _hk_warn("telemetry off", "HAKMEM_SHM_DIR is too long"); return; }
+  memcpy(tel.dir, dir, strlen(dir) + 1);
+  tel.epoch_ns = (uint64_t)_hk_tel_epoch_ms() * 1000000u;
+  if (!create_file()) return;
+  tel.state = TEL_ON;
+  _hk_tel_on = true;
+}
+
+void _hk_tel_tick(uint64_t now_ns) {
+  if (tel.state == TEL_ON && now_ns < tel.next_ns &&
+      hk_load_relaxed((_Atomic uint64_t*)&tel.pol->version) == tel.last_seen)
+    return;
+  if (!tel_trylock()) return;
+  if (tel.state == TEL_PENDING) {
+    tel.state = create_file() ? TEL_ON : TEL_OFF;
+    _hk_tel_on = tel.state == TEL_ON;
+  }
+  if (tel.state == TEL_ON) {
+    poll_policy();
+    if (now_ns >= tel.next_ns) {
+      tel.next_ns = now_ns + tel.epoch_ns;
+      _hk_stats_collect(&tel.st);
+      write_record(&tel.st, _hk_os_now_ns());
+    }
+  }
+  _hk_unlock(&tel.lock);
+}
+
+/* At normal exit: one last record from the same snapshot the exit-time
+ * table prints (st), then the file goes. */
+void _hk_tel_exit(const hk_stats_t* st) {
+  if (tel.state != TEL_ON) return;
+  _hk_lock(&tel.lock);
+  write_record(st, _hk_os_now_ns());
+  hk_store_release((_Atomic uint32_t*)&tel.hdr->state, 1);
+  unlink(tel.path);
+  tel.state = TEL_OFF;
+  _hk_tel_on = false;
+  _hk_unlock(&tel.lock);
+}
+
+void _hk_tel_after_fork_child(void) {
+  _hk_lock_reinit(&tel.lock);
+  if (tel.state != TEL_ON) return;
+  /* The parent's file stays the parent's. */
+  _hk_os_unmap_file(tel.hdr, tel.len);
+  tel.hdr = NULL;
+  tel.ring = NULL;
+  tel.pol = NULL;
+  tel.next_ns = 0;
+  tel.state = TEL_PENDING;
+}

@@ -12,7 +12,7 @@ INC_DIR := allocator/include
 TST_DIR := allocator/tests
 
 SRCS    := $(sort $(wildcard $(SRC_DIR)/*.c))
-HDRS    := $(wildcard $(SRC_DIR)/*.h) $(INC_DIR)/hakmem.h
+HDRS    := $(wildcard $(SRC_DIR)/*.h) $(wildcard $(INC_DIR)/*.h)
 
 # Flags the allocator needs to be correct, not just fast: it must not let the
 # compiler turn its own code into calls to malloc/memset of itself, must keep
@@ -43,9 +43,25 @@ TEST_CFLAGS := -std=gnu11 -O1 -g -Wall -Wextra -Wno-unused-parameter -I$(INC_DIR
   -fno-builtin-malloc -fno-builtin-free -fno-builtin-calloc -fno-builtin-realloc
 TEST_CXXFLAGS := -std=gnu++17 -O1 -g -Wall -Wextra -I$(INC_DIR) -I$(TST_DIR) -pthread
 
-.PHONY: all lib debug tests test clean help
+# The Python side (learner/: the hakmem package and CLI) lives in .venv.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+PYTHON3 ?= python3
 
-all: lib debug ## build libhakmem.so/.a (release) and build/debug/ (asserts, -O1)
+.PHONY: all lib debug tests test clean help venv layout
+
+all: lib debug venv ## build libhakmem.so/.a (release), build/debug/ (asserts, -O1) and the Python package in .venv
+
+venv: $(VENV)/.installed ## the hakmem Python package and its dependencies in .venv
+
+$(VENV)/.installed: pyproject.toml
+	@$(if $(Q),echo "  VENV    $(VENV) (pip install -e .[test,bench])")
+	$(Q)test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	$(Q)$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+	$(Q)touch $@
+
+layout: ## regenerate the shared-memory layout's C and Python sides from schemas/shm_layout.json
+	$(Q)$(PYTHON3) tools/gen_layout.py
 
 lib: $(BUILD)/libhakmem.so $(BUILD)/libhakmem.a ## release build only
 
@@ -111,7 +127,13 @@ $(BUILD)/debug/tests/vgcheck_bugs: $(TST_DIR)/vgcheck_bugs.c $(BUILD)/debug/libh
 	@$(if $(Q),echo "  TEST    $@")
 	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
 
-tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs ## build the C/C++ test programs (release and debug)
+# The telemetry tests' workload is an ordinary program: hakmem comes by preload.
+$(BUILD)/learner/workload: learner/tests/workload.c
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) -std=gnu11 -O1 -g -Wall -Wextra -pthread $< -o $@
+
+tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload ## build the C/C++ test programs and the workloads
 
 test: deps tests ## install what tests need, build, run every test (C, stress, real programs, memcheck)
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
@@ -124,8 +146,12 @@ demo: deps lib ## build, then run python3 and sqlite3 with hakmem preloaded and 
 deps: ## install the Debian packages the build and tests need (root, once)
 	$(Q)tools/install-deps.sh
 
-clean: ## remove build/
+clean: ## remove build/ (and .venv with `make clean-all`)
 	$(Q)rm -rf $(BUILD)
+
+.PHONY: clean-all
+clean-all: clean
+	$(Q)rm -rf $(VENV)
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## /  \1\t/' | expand -t 14

@@ -2,8 +2,10 @@
 # Runs every allocator test and ends with one line "N passed, N failed, N skipped".
 #   1. C tests linked with the release library      (build/tests/*)
 #   2. the same tests linked with the debug library (build/debug/tests/*)
-#   3. real programs with LD_PRELOAD=libhakmem.so   (allocator/tests/programs/*.sh)
-#   4. valgrind memcheck over the debug C tests
+#   3. the threaded and forking C tests again with telemetry on
+#   4. real programs with LD_PRELOAD=libhakmem.so   (allocator/tests/programs/*.sh)
+#   5. the Python side: shm layout, ring reader, policy snapshots, fuzz (learner/tests)
+#   6. valgrind memcheck over the debug C tests
 # Each test's output goes to build/test-logs/; a failure prints its tail.
 # Environment: BUILD (default build), TESTS (a grep pattern to select tests),
 # MEMCHECK=0 to skip the valgrind pass.
@@ -17,6 +19,9 @@ LIB=$(readlink -f "$BUILD/libhakmem.so")
 # The tests set the knobs they test themselves; a HAKMEM_* left in the
 # caller's environment (HAKMEM_STATS=1, say) must not change their outcome.
 for v in $(env | grep -o '^HAKMEM_[A-Z_]*'); do unset "$v"; done
+# Nor may a telemetry directory on this machine (learnd's /dev/shm/hakmem):
+# telemetry is on only where a test turns it on.
+export HAKMEM_TELEMETRY=0
 pass=0 fail=0 skip=0 failed_names=()
 start_all=$(date +%s)
 
@@ -51,6 +56,14 @@ for t in "$BUILD"/debug/tests/test_*; do
   [ -x "$t" ] && run_one "debug/$(basename "$t")" 300 "$t"
 done
 
+echo "== C tests with telemetry on (a telemetry file per process, records from slow paths)"
+for t in test_stress test_fork test_thread_churn; do
+  [ -x "$BUILD/tests/$t" ] || continue
+  shm=$(mktemp -d)
+  run_one "telemetry/$t" 300 env HAKMEM_TELEMETRY=1 HAKMEM_SHM_DIR="$shm" HAKMEM_TELEMETRY_MS=10 "$BUILD/tests/$t"
+  rm -rf "$shm"
+done
+
 echo "== real programs, LD_PRELOAD=$LIB"
 for s in allocator/tests/programs/*.sh; do
   [ -f "$s" ] || continue
@@ -58,6 +71,17 @@ for s in allocator/tests/programs/*.sh; do
   run_one "programs/$(basename "$s" .sh)" 300 env LIB="$LIB" WORK="$work" bash "$s"
   rm -rf "$work"
 done
+
+echo "== Python: layout contract, ring reader, policy snapshots (learner/tests)"
+if [ -x .venv/bin/python ]; then
+  for f in learner/tests/test_*.py; do
+    run_one "python/$(basename "$f" .py)" 300 env BUILD="$BUILD" \
+      .venv/bin/python -m pytest -q -p no:cacheprovider -rs "$f"
+  done
+else
+  echo "  .venv missing: Python tests skipped (make venv creates it)"
+  skip=$((skip+1))
+fi
 
 if [ "${MEMCHECK:-1}" != 0 ]; then
   echo "== valgrind memcheck over the debug C tests"

@@ -1,0 +1,375 @@
+"""Reading a process's telemetry file and writing policy snapshots into it.
+
+The file is <dir>/<pid>-<starttime> (schemas/shm_layout.json). A file is
+believed only when its owner is the owner of the live process it names;
+the program's identity comes from /proc/<pid>/exe, never from the file.
+
+Every failure is a RingError whose message is one line meant for a person.
+"""
+import ctypes
+import errno
+import mmap
+import os
+import re
+import stat
+import time
+
+import numpy as np
+
+from . import layout as L
+
+DEFAULT_DIR = "/dev/shm/hakmem"
+REJECT_REASONS = {0: "none", 1: "slot version mismatch", 2: "bad checksum", 3: "value out of bounds"}
+_NAME = re.compile(r"^(\d+)-(\d+)$")
+
+
+class RingError(Exception):
+    """A telemetry file that cannot be used, with the reason in one line."""
+
+
+def shm_dir(explicit=None):
+    return explicit or os.environ.get("HAKMEM_SHM_DIR") or DEFAULT_DIR
+
+
+def resolve(target, directory=None):
+    """A path, or a pid whose file is looked up in the telemetry directory."""
+    if isinstance(target, int) or (isinstance(target, str) and target.isdigit()):
+        pid = int(target)
+        d = shm_dir(directory)
+        try:
+            names = [n for n in os.listdir(d) if n.startswith(f"{pid}-") and _NAME.match(n)]
+        except OSError as e:
+            raise RingError(f"cannot list {d}: {e.strerror}") from None
+        if not names:
+            raise RingError(f"no telemetry file for pid {pid} in {d}")
+        # After an exec the newest start time is the live image.
+        names.sort(key=lambda n: int(n.split("-")[1]))
+        return os.path.join(d, names[-1])
+    return str(target)
+
+
+def proc_start_time(pid):
+    """Field 22 of /proc/<pid>/stat, or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rindex(b")") + 2:].split()
+    return int(rest[19])
+
+
+def fnv1a64(data, h=0xCBF29CE484222325):
+    # numpy has no FNV; ~750 bytes per slot keeps a plain loop cheap.
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def slot_checksum(slot_bytes):
+    """FNV-1a 64 of the version (8 bytes) then the slot from drain_ms on."""
+    version = slot_bytes[0:8]
+    body = slot_bytes[L.offset_of("policy_slot", "drain_ms"):L.POLICY_SLOT.itemsize]
+    return fnv1a64(body, fnv1a64(version))
+
+
+def encode_slot(pol, version, checksum=None):
+    """The bytes of a policy slot carrying pol as `version`, with its checksum
+    (or the one given: tests forge wrong ones)."""
+    slot = np.zeros(1, dtype=L.POLICY_SLOT)
+    slot["version"] = version
+    slot["drain_ms"] = pol["drain_ms"]
+    for k in L.KNOBS_PER_CLASS:
+        slot[k] = pol[k]
+    b = bytearray(slot.tobytes())
+    b[8:16] = (slot_checksum(bytes(b)) if checksum is None else checksum).to_bytes(8, "little")
+    return bytes(b)
+
+
+class Ring:
+    """One telemetry file, mapped read-only (or read-write to write policies)."""
+
+    def __init__(self, path, writable=False, trust=True):
+        self.path = path
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RingError(f"{path}: is a symbolic link, not a telemetry file") from None
+            raise RingError(f"{path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RingError(f"{path}: not a regular file")
+            self.file_uid = st.st_uid
+            self.size = st.st_size
+            if self.size < L.HEADER_SIZE:
+                raise RingError(f"{path}: truncated: {self.size} bytes, smaller than the {L.HEADER_SIZE}-byte header")
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            self.mm = mmap.mmap(fd, self.size, access=access)
+        finally:
+            os.close(fd)
+        self.writable = writable
+        self._validate()
+        self.alive = proc_start_time(self.pid) == self.start_time
+        if trust and self.alive:
+            try:
+                proc_uid = os.stat(f"/proc/{self.pid}").st_uid
+            except OSError:
+                proc_uid = None
+            if proc_uid is not None and proc_uid != self.file_uid:
+                raise RingError(f"{path}: owned by uid {self.file_uid} but process {self.pid} runs as "
+                                f"uid {proc_uid}: not trusted")
+
+    def _validate(self):
+        h = np.frombuffer(self.mm, dtype=L.HEADER, count=1)[0]
+        if bytes(self.mm[0:8]) != L.MAGIC:
+            raise RingError(f"{self.path}: not a hakmem telemetry file (bad magic)")
+        v = int(h["layout_version"])
+        if v > L.LAYOUT_VERSION:
+            raise RingError(f"{self.path}: layout version {v} is newer than this reader's "
+                            f"({L.LAYOUT_VERSION}); use the hakmem that matches the allocator")
+        if v < L.LAYOUT_VERSION:
+            raise RingError(f"{self.path}: layout version {v} is older than this reader's ({L.LAYOUT_VERSION})")
+        expect = {"header_size": L.HEADER_SIZE, "record_size": L.RECORD.itemsize,
+                  "policy_size": L.POLICY_AREA.itemsize, "num_classes": L.NUM_CLASSES,
+                  "ring_offset": L.HEADER_SIZE}
+        for field, want in expect.items():
+            if int(h[field]) != want:
+                raise RingError(f"{self.path}: header says {field}={int(h[field])}, layout says {want}")
+        slots = int(h["ring_slots"])
+        need = L.HEADER_SIZE + slots * L.RECORD.itemsize + L.POLICY_AREA.itemsize
+        if slots == 0 or int(h["policy_offset"]) != L.HEADER_SIZE + slots * L.RECORD.itemsize:
+            raise RingError(f"{self.path}: inconsistent ring geometry ({slots} slots, policy at "
+                            f"{int(h['policy_offset'])})")
+        if int(h["file_size"]) != self.size or self.size < need:
+            raise RingError(f"{self.path}: truncated: {self.size} bytes, header says {int(h['file_size'])}")
+        self.pid = int(h["pid"])
+        self.start_time = int(h["start_time"])
+        self.slots = slots
+        self.ring_offset = L.HEADER_SIZE
+        self.policy_offset = int(h["policy_offset"])
+        m = _NAME.match(os.path.basename(self.path))
+        if m and (int(m.group(1)), int(m.group(2))) != (self.pid, self.start_time):
+            raise RingError(f"{self.path}: name does not match the header (pid {self.pid}, "
+                            f"start time {self.start_time})")
+
+    def close(self):
+        self.mm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- header ---------------------------------------------------------------
+    def header(self):
+        h = np.frombuffer(self.mm, dtype=L.HEADER, count=1)[0].copy()
+        out = {}
+        for name in L.HEADER.names:
+            if name.startswith("_"):
+                continue
+            v = h[name]
+            if isinstance(v, bytes):
+                out[name] = v.split(b"\0", 1)[0].decode("utf-8", "replace")
+            elif np.ndim(v):
+                out[name] = [int(x) for x in v]
+            else:
+                out[name] = int(v)
+        return out
+
+    def _u64(self, offset):
+        return ctypes.c_uint64.from_buffer(self.mm, offset) if self.writable else None
+
+    def _read_u64(self, offset):
+        return int.from_bytes(self.mm[offset:offset + 8], "little")
+
+    def ring_head(self):
+        return self._read_u64(L.offset_of("header", "ring_head"))
+
+    def exited(self):
+        o = L.offset_of("header", "state")
+        return int.from_bytes(self.mm[o:o + 4], "little") == 1
+
+    # ---- records --------------------------------------------------------------
+    def records(self):
+        """Every stable record still in the ring, oldest first (numpy array)."""
+        for _ in range(10):
+            head = self.ring_head()
+            lo, hi = self.ring_offset, self.ring_offset + self.slots * L.RECORD.itemsize
+            seq_off = L.offset_of("record", "seq")
+            seqs_before = np.frombuffer(self.mm, dtype="<u8", count=self.slots * (L.RECORD.itemsize // 8),
+                                        offset=lo)[seq_off // 8::L.RECORD.itemsize // 8].copy()
+            recs = np.frombuffer(self.mm[lo:hi], dtype=L.RECORD).copy()
+            seqs_after = np.frombuffer(self.mm, dtype="<u8", count=self.slots * (L.RECORD.itemsize // 8),
+                                       offset=lo)[seq_off // 8::L.RECORD.itemsize // 8].copy()
+            ok = (seqs_before == seqs_after) & (recs["seq"] == seqs_before) & (recs["seq"] % 2 == 0) & (recs["seq"] > 0)
+            ok &= (recs["index"] < head) & (recs["index"] + self.slots >= head)
+            if head and not ok.any():
+                continue   # every slot moved under us: read again
+            out = recs[ok]
+            return out[np.argsort(out["index"], kind="stable")]
+        raise RingError(f"{self.path}: the ring kept changing while being read")
+
+    def latest(self):
+        recs = self.records()
+        return recs[-1] if len(recs) else None
+
+    # ---- policy ---------------------------------------------------------------
+    def _slot_bytes(self, which):
+        base = self.policy_offset
+        if which == "in_force":
+            off = base + L.offset_of("policy_area", "in_force")
+        else:
+            off = base + L.offset_of("policy_area", "slot") + which * L.POLICY_SLOT.itemsize
+        return off, bytes(self.mm[off:off + L.POLICY_SLOT.itemsize])
+
+    @staticmethod
+    def slot_to_policy(b):
+        s = np.frombuffer(b, dtype=L.POLICY_SLOT, count=1)[0]
+        return {"version": int(s["version"]), "drain_ms": int(s["drain_ms"]),
+                **{k: [int(x) for x in s[k]] for k in L.KNOBS_PER_CLASS}}
+
+    def policy_in_force(self):
+        """The policy the allocator has in force (retried while it is rewritten)."""
+        for _ in range(100):
+            _, b = self._slot_bytes("in_force")
+            chk = int.from_bytes(b[8:16], "little")
+            if chk and chk == slot_checksum(b):
+                return self.slot_to_policy(b)
+            time.sleep(0.001)
+        raise RingError(f"{self.path}: the policy in force could not be read consistently")
+
+    def published_version(self):
+        return self._read_u64(self.policy_offset + L.offset_of("policy_area", "version"))
+
+    def status(self):
+        h = self.header()
+        return {k: h[k] for k in ("applied_version", "seen_version", "rejected", "reject_reason")}
+
+    def bounds(self):
+        h = self.header()
+        return {"tcache_cap": (0, h["cap_max"]), "warm_slabs": (0, h["warm_max"]),
+                "batch_max": h["batch_max"], "drain_ms_max": h["drain_ms_max"]}
+
+    def check_policy(self, pol):
+        """Raises RingError naming the first value out of bounds."""
+        h = self.header()
+        if not 0 <= pol["drain_ms"] <= h["drain_ms_max"]:
+            raise RingError(f"drain_ms={pol['drain_ms']} is outside 0..{h['drain_ms_max']}")
+        for c in range(1, L.NUM_CLASSES):
+            cap, batch, warm = (pol[k][c] for k in L.KNOBS_PER_CLASS)
+            size = h["class_size"][c]
+            if not 0 <= cap <= h["cap_max"][c]:
+                raise RingError(f"tcache_cap[{c}]={cap} (class {size} B) is outside 0..{h['cap_max'][c]}")
+            if not 1 <= batch <= min(h["batch_max"], max(cap, 1)):
+                raise RingError(f"tcache_batch[{c}]={batch} (class {size} B) is outside 1..{min(h['batch_max'], max(cap, 1))} (at most the capacity)")
+            if not 0 <= warm <= h["warm_max"][c]:
+                raise RingError(f"warm_slabs[{c}]={warm} (class {size} B) is outside 0..{h['warm_max'][c]}")
+        for k in L.KNOBS_PER_CLASS:
+            if pol[k][0] != 0:
+                raise RingError(f"{k}[0] must be 0 (class 0 is huge objects, which have no knobs)")
+
+    def write_policy(self, pol, check=True, version=None):
+        """Publishes pol (a dict like policy_in_force's) as a new snapshot.
+        Returns the version written; see wait_applied."""
+        if not self.writable:
+            raise RingError(f"{self.path}: opened read-only")
+        if not self.alive:
+            raise RingError(f"{self.path}: process {self.pid} is not running")
+        if check:
+            self.check_policy(pol)
+        if version is None:
+            h = self.header()
+            version = max(self.published_version(), h["applied_version"], h["seen_version"]) + 1
+        b = encode_slot(pol, version)
+        off, _ = self._slot_bytes(version % 2)
+        self.mm[off:off + len(b)] = b
+        self.publish(version)
+        return version
+
+    def publish(self, version):
+        """Stores the version word (one aligned 8-byte store: x86 keeps it after
+        the slot's stores, which is the release order the allocator needs)."""
+        wp = self.policy_offset + L.offset_of("policy_area", "writer_pid")
+        self.mm[wp:wp + 4] = os.getpid().to_bytes(4, "little")
+        self._u64(self.policy_offset + L.offset_of("policy_area", "version")).value = version
+
+    def wait_applied(self, version, timeout=1.0):
+        """Waits until the allocator examined `version`; returns (applied, status)."""
+        end = time.monotonic() + timeout
+        while True:
+            s = self.status()
+            if s["seen_version"] >= version or s["applied_version"] >= version:
+                return s["applied_version"] == version, s
+            if time.monotonic() >= end:
+                return False, s
+            time.sleep(0.002)
+
+
+def parse_assignment(pol, text, header):
+    """Applies one `key=value` to pol. Keys: drain_ms; tcache_cap, tcache_batch,
+    warm_slabs for every class; knob[N] for class N; knob@SIZE for the class
+    serving SIZE bytes."""
+    if "=" not in text:
+        raise RingError(f"expected key=value, got {text!r}")
+    key, val = text.split("=", 1)
+    try:
+        value = int(val, 0)
+    except ValueError:
+        raise RingError(f"{key}: {val!r} is not a whole number") from None
+    m = re.fullmatch(r"(\w+)(?:\[(\d+)\]|@(\d+))?", key.strip())
+    if not m:
+        raise RingError(f"cannot read the key {key!r}")
+    name, cls, size = m.group(1), m.group(2), m.group(3)
+    if name == "drain_ms":
+        if cls or size:
+            raise RingError("drain_ms is per process, not per class")
+        pol["drain_ms"] = value
+        return
+    if name not in L.KNOBS_PER_CLASS:
+        raise RingError(f"unknown knob {name!r} (knobs: drain_ms, {', '.join(L.KNOBS_PER_CLASS)})")
+    sizes = header["class_size"]
+    if cls is not None:
+        classes = [int(cls)]
+        if not 1 <= classes[0] < L.NUM_CLASSES:
+            raise RingError(f"class {classes[0]} does not exist (1..{L.NUM_CLASSES - 1})")
+    elif size is not None:
+        fits = [c for c in range(1, L.NUM_CLASSES) if sizes[c] >= int(size)]
+        if not fits:
+            raise RingError(f"{size} bytes is above the largest class ({sizes[-1]} B)")
+        classes = [fits[0]]
+    else:
+        classes = range(1, L.NUM_CLASSES)
+    for c in classes:
+        pol[name][c] = value
+
+
+# ---- windows and rates -------------------------------------------------------
+def window(a, b):
+    """Per-second rates between two records (b newer): cumulative counters as
+    rates, gauges as the values at b. Returns a dict of numpy arrays."""
+    dt = (int(b["time_ns"]) - int(a["time_ns"])) / 1e9
+    if dt <= 0:
+        raise ValueError("records are not in time order")
+    out = {"seconds": dt, "proc": {}, "cls": {}}
+    for name in L.PROC_COUNTERS:
+        va, vb = int(a["proc"][name]), int(b["proc"][name])
+        out["proc"][name] = vb if name in L.GAUGES else (vb - va) / dt
+    for name in L.CLASS_COUNTERS:
+        va = a["cls"][name].astype(np.int64)
+        vb = b["cls"][name].astype(np.int64)
+        out["cls"][name] = vb if name in L.GAUGES else (vb - va) / dt
+    return out
+
+
+def list_files(directory=None):
+    d = shm_dir(directory)
+    try:
+        return sorted(os.path.join(d, n) for n in os.listdir(d) if _NAME.match(n))
+    except FileNotFoundError:
+        raise RingError(f"{d} does not exist (no process publishes telemetry there)") from None
+    except OSError as e:
+        raise RingError(f"cannot list {d}: {e.strerror}") from None

@@ -139,7 +139,7 @@ test: deps tests ## install what tests need, build, run every test (C, stress, r
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
 
 .PHONY: demo
-demo: deps lib ## build, then run python3 and sqlite3 with hakmem preloaded and show its statistics
+demo: deps lib venv ## build, then run python3 and sqlite3 with hakmem preloaded, show their statistics and a live telemetry file
 	$(Q)tools/demo.sh $(BUILD)
 
 .PHONY: deps

@@ -26,4 +26,28 @@ SQL
 echo
 echo "The tables above are HAKMEM_STATS=1: per size class, blocks handed out, thread-cache"
 echo "refills and drains, slabs taken from and given back to the warm pool and the OS, then the"
-echo "policy knobs in force. hakmem-learnd (a later milestone) will tune those knobs per program."
+echo "policy knobs in force."
+echo
+echo "== the telemetry file: a running python3 seen from outside, and its policy changed live"
+SHM=$(mktemp -d /dev/shm/hakmem-demo.XXXXXX)
+trap 'rm -rf "$SHM"' EXIT
+LD_PRELOAD="$LIB" HAKMEM_SHM_DIR="$SHM" PYTHONMALLOC=malloc "$PY" - <<'PY' &
+import time
+end = time.time() + 3
+while time.time() < end:
+    d = [bytes(48) + str(i).encode() for i in range(3000)]   # 64..80-byte objects, in bursts
+PY
+pid=$!
+sleep 1
+echo "\$ hakmem ring dump $pid"
+.venv/bin/hakmem ring dump --dir "$SHM" "$pid"
+echo
+echo "\$ hakmem ring set-policy $pid tcache_cap@96=4096"
+.venv/bin/hakmem ring set-policy --dir "$SHM" "$pid" tcache_cap@96=4096
+sleep 1
+echo
+echo "\$ hakmem ring dump $pid    # 4096 holds a whole burst: no refills, so no slow path at all"
+.venv/bin/hakmem ring dump --dir "$SHM" "$pid"
+wait "$pid"
+echo
+echo "hakmem-learnd (the next milestone) does what set-policy did here, per program, from evidence."

@@ -85,11 +85,15 @@ def _print_dump(s, show_all):
         print(f"ring: no record yet (one is written every {s['epoch_ms']} ms from the allocator's slow path)")
         return
     t = s["totals"]["proc"]
-    print(f"ring: {s['records']} records kept of {s['ring_head']} written, every {s['epoch_ms']} ms; "
+    print(f"ring: {s['records']} of {s['ring_head']} records kept, one at most every {s['epoch_ms']} ms; "
           f"newest {s['age_s']:.2f} s old")
     print(f"process: {t['threads']} threads ({t['threads_total']} ever), committed {t['committed_bytes'] / 2**20:.1f} MiB, "
           f"mmap {t['mmap_calls']}, munmap {t['munmap_calls']}, madvise {t['madvise_calls']}, "
           f"huge {t['huge_allocs']} ({t['huge_cache_hits']} from cache)")
+    if s["alive"] and s["age_s"] > max(2 * s["epoch_ms"] / 1000, 0.5):
+        print(f"note: no allocator slow path for {s['age_s']:.1f} s: the thread caches serve every "
+              f"call, so nothing newer is recorded (records come from slow paths only); the rates "
+              f"below are from the last window with activity")
     w = s["window"]
     c = s["totals"]["cls"]
     sizes = s["class_size"]

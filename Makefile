@@ -133,7 +133,7 @@ $(BUILD)/learner/workload: learner/tests/workload.c
 	@$(if $(Q),echo "  CC      $@")
 	$(Q)$(CC) -std=gnu11 -O1 -g -Wall -Wextra -pthread $< -o $@
 
-tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload ## build the C/C++ test programs and the workloads
+tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload bench-build ## build the C/C++ test programs, the workloads and the benchmarks
 
 test: deps tests ## install what tests need, build, run every test (C, stress, real programs, memcheck)
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
@@ -146,6 +146,8 @@ demo: deps lib venv ## build, then run python3 and sqlite3 with hakmem preloaded
 deps: ## install the Debian packages the build and tests need (root, once)
 	$(Q)tools/install-deps.sh
 
+include bench/bench.mk
+
 clean: ## remove build/ (and .venv with `make clean-all`)
 	$(Q)rm -rf $(BUILD)
 
@@ -154,4 +156,4 @@ clean-all: clean
 	$(Q)rm -rf $(VENV)
 
 help: ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## /  \1\t/' | expand -t 14
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## /  \1\t/' | expand -t 14

@@ -72,6 +72,11 @@ for s in allocator/tests/programs/*.sh; do
   rm -rf "$work"
 done
 
+echo "== benchmarks, briefly, under hakmem (bench/smoke.sh: result line, allocator, content checks)"
+if [ -x "$BUILD/bench/random_mixed" ]; then
+  run_one "bench/smoke" 300 env BUILD="$BUILD" bench/smoke.sh "$LIB"
+fi
+
 echo "== Python: layout contract, ring reader, policy snapshots (learner/tests)"
 if [ -x .venv/bin/python ]; then
   for f in learner/tests/test_*.py; do

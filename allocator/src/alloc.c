@@ -163,24 +163,50 @@ HK_NOINLINE void _hk_free_slow(void* p) {
 /* ---- aligned ------------------------------------------------------------------- */
 /* A class whose blocks all satisfy `align`: slabs start 64 KiB-aligned, so a
  * block size that is a multiple of align (<= 64 KiB) keeps every block
- * aligned. Returns 0 when the request must go to a huge mapping. */
+ * aligned; init.c tabulates the first such class at or above each class.
+ * Returns 0 when the request must go to a huge mapping. */
 static unsigned aligned_class(size_t n, size_t align) {
   if (align > HK_PAGE_SIZE) return 0;
   unsigned cls = _hk_class_of(n < align ? align : n);
-  while (cls != 0 && cls < HK_NUM_CLASSES && _hk_class[cls].size % align != 0) cls++;
-  return cls < HK_NUM_CLASSES ? cls : 0;
+  if (cls == 0) return 0;
+  return _hk_align_class[__builtin_ctzll(align) - HK_ALIGN_SHIFT0][cls];
 }
 
-static void* alloc_aligned(size_t align, size_t n) {
+/* The aligned fast path: a block from the thread cache of a class whose
+ * blocks satisfy align, or NULL (and nothing touched, errno included) when
+ * that takes the slow path. Before initialization every table reads 0, and
+ * bin 0 is always empty. */
+HK_INLINE void* aligned_fast(size_t align, size_t n) {
+  unsigned cls;
   if (align <= HK_MIN_ALIGN) {
-    unsigned cls = _hk_class_of(n);
-    return alloc_cls(cls, n);
+    cls = _hk_class_of(n);
+  } else {
+    if (align > HK_PAGE_SIZE) return NULL;
+    cls = _hk_class_of(n < align ? align : n);
+    cls = _hk_align_class[__builtin_ctzll(align) - HK_ALIGN_SHIFT0][cls];
   }
+  hk_bin_t* bin = &_hk_tc.bin[cls];
+  void* p = bin->head;
+  if (HK_UNLIKELY(p == NULL)) return NULL;
+  bin->head = *(void**)p;
+  bin->count--;
+  bin->allocs++;
+  HK_VG_ALLOC(p, _hk_class[cls].size);
+  return p;
+}
+
+static HK_NOINLINE void* alloc_aligned_slow(size_t align, size_t n) {
   if (!_hk_initialized) _hk_init();
+  if (align <= HK_MIN_ALIGN) return alloc_cls(_hk_class_of(n), n);
   if (n > PTRDIFF_MAX - align) { errno = ENOMEM; return NULL; }
   unsigned cls = aligned_class(n, align);
   if (cls) return alloc_cls(cls, n);
   return _hk_huge_alloc(n, align, false);
+}
+
+HK_INLINE void* alloc_aligned(size_t align, size_t n) {
+  void* p = aligned_fast(align, n);
+  return HK_LIKELY(p != NULL) ? p : alloc_aligned_slow(align, n);
 }
 
 static size_t usable_size(void* p) {
@@ -248,11 +274,18 @@ HK_EXPORT void* reallocarray(void* p, size_t count, size_t size) {
   return realloc(p, n);
 }
 
+static HK_NOINLINE int posix_memalign_slow(void** out, size_t align, size_t n) {
+  int saved = errno;   /* posix_memalign reports failure by its result only */
+  void* p = alloc_aligned_slow(align, n);
+  if (!p) { errno = saved; return ENOMEM; }
+  *out = p;
+  return 0;
+}
+
 HK_EXPORT int posix_memalign(void** out, size_t align, size_t n) {
   if (align < sizeof(void*) || (align & (align - 1)) != 0) return EINVAL;
-  int saved = errno;
-  void* p = alloc_aligned(align, n);
-  if (!p) { errno = saved; return ENOMEM; }
+  void* p = aligned_fast(align, n);
+  if (HK_UNLIKELY(p == NULL)) return posix_memalign_slow(out, align, n);
   *out = p;
   return 0;
 }

@@ -34,6 +34,7 @@ uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
 uint64_t _hk_div_magic[HK_NUM_CLASSES];
 uint64_t _hk_div_limit[HK_NUM_CLASSES];
+uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];
 hk_proc_counters_t _hk_proc;
 int _hk_initialized;
 
@@ -103,6 +104,12 @@ static void classes_init(void) {
       }
   }
 #endif
+  for (unsigned k = 0; k < HK_ALIGN_LEVELS; k++)
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+      unsigned a = cls;
+      while (a < HK_NUM_CLASSES && _hk_class[a].size & ((1u << (k + HK_ALIGN_SHIFT0)) - 1)) a++;
+      _hk_align_class[k][cls] = (uint8_t)(a < HK_NUM_CLASSES ? a : 0);
+    }
   for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++) {
     size_t n = i ? (size_t)i * 16 : 1;
     unsigned cls = 1;

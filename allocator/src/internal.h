@@ -81,6 +81,11 @@ extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
 extern uint64_t _hk_div_magic[HK_NUM_CLASSES];
 extern uint64_t _hk_div_limit[HK_NUM_CLASSES];
 extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
+/* [k][cls]: the first class >= cls whose size is a multiple of 2^(k+5)
+ * (alignments 32 B .. 64 KiB), or 0 when none is. */
+#define HK_ALIGN_SHIFT0 5
+#define HK_ALIGN_LEVELS (HK_PAGE_SHIFT - HK_ALIGN_SHIFT0 + 1)
+extern uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];   /* rows of 64: index by shift */
 extern bool _hk_check_mode;                     /* HAKMEM_CHECK=1 */
 extern int  _hk_initialized;
 

@@ -125,10 +125,17 @@ void _hk_huge_free(void* p) {
   hk_add_relaxed(&c0->c.frees, 1);
   void* base = h->base;
   size_t map_len = h->map_len;
+  /* The cache may hold half of what is live in huge objects, between a
+   * floor and HK_HUGE_CACHE_MAX_BYTES: a program that replaces many big
+   * buffers keeps the pages it will touch again, one with a few big
+   * buffers does not keep a multiple of them resident. */
+  size_t budget = hk_load_relaxed(&c0->c.live_bytes) / 2;
+  if (budget < HK_HUGE_CACHE_MIN_BYTES) budget = HK_HUGE_CACHE_MIN_BYTES;
+  if (budget > HK_HUGE_CACHE_MAX_BYTES) budget = HK_HUGE_CACHE_MAX_BYTES;
   _hk_lock(&huge_lock);
-  if (map_len <= HK_HUGE_CACHE_MAX_BYTES / 4) {
+  if (map_len <= budget) {
     /* Make room by dropping the oldest entries. */
-    while (cache_count >= HK_HUGE_CACHE_MAX || cache_bytes + map_len > HK_HUGE_CACHE_MAX_BYTES) {
+    while (cache_count >= HK_HUGE_CACHE_MAX || cache_bytes + map_len > budget) {
       hk_huge_t** link = &cache;
       while ((*link)->next_cached) link = &(*link)->next_cached;
       hk_huge_t* old = *link;

@@ -55,6 +55,7 @@ enum { HK_MAP_NONE = 0, HK_MAP_SEGMENT = 1, HK_MAP_HUGE = 2 };
 /* Huge mappings kept for reuse after free: count and total bytes. */
 #define HK_HUGE_CACHE_MAX       8
 #define HK_HUGE_CACHE_MAX_BYTES ((size_t)128 << 20)
+#define HK_HUGE_CACHE_MIN_BYTES ((size_t)32 << 20)
 /* Check mode keeps one bit per block; the largest block count of a slab is
  * a 64 KiB page of 16-byte blocks. */
 #define HK_CHECK_BITMAP_WORDS (HK_PAGE_SIZE / HK_MIN_ALIGN / 64)

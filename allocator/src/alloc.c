@@ -35,11 +35,15 @@ HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
 
 HK_INLINE void free_fast(void* p) {
   if (HK_UNLIKELY(_hk_map_kind(p) != HK_MAP_SEGMENT)) { _hk_free_slow(p); return; }
-  hk_segment_t* seg = _hk_segment_of(p);
-  unsigned page = _hk_page_of(p);
+  /* _hk_is_block_start, spelled out so that the offset in the segment
+   * gives the segment, the page and the offset in the slab alike. */
+  uintptr_t in_seg = (uintptr_t)p & (HK_SEG_SIZE - 1);
+  const hk_segment_t* seg = (const hk_segment_t*)((uintptr_t)p - in_seg);
+  unsigned page = (unsigned)(in_seg >> HK_PAGE_SHIFT);
   unsigned cls = seg->page_class[page];
   hk_bin_t* bin = &_hk_tc.bin[cls];
-  if (HK_UNLIKELY(!_hk_is_block_start(seg, page, cls, p) || bin->count >= bin->cap ||
+  uint64_t off = in_seg - ((uintptr_t)seg->page_first[page] << HK_PAGE_SHIFT);
+  if (HK_UNLIKELY(off * _hk_div[cls].magic >= _hk_div[cls].limit || bin->count >= bin->cap ||
                   p == bin->head)) {
     _hk_free_slow(p);
     return;
@@ -219,8 +223,19 @@ static size_t usable_size(void* p) {
 }
 
 /* ---- the API ------------------------------------------------------------------- */
+/* malloc's slow path finds the class again itself, so the fast path need
+ * not keep it alive across the pop (one instruction fewer). */
+static HK_NOINLINE void* malloc_slow(size_t n) { return _hk_malloc_slow(n, _hk_class_of(n)); }
+
 HK_EXPORT void* malloc(size_t n) {
-  return alloc_cls(_hk_class_of(n), n);
+  hk_bin_t* bin = &_hk_tc.bin[_hk_class_of(n)];
+  void* p = bin->head;
+  if (HK_UNLIKELY(p == NULL)) return malloc_slow(n);
+  bin->head = *(void**)p;
+  bin->count--;
+  bin->allocs++;
+  HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);
+  return p;
 }
 
 HK_EXPORT void free(void* p) { free_fast(p); }

@@ -32,8 +32,7 @@ __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
 hk_class_info_t _hk_class[HK_NUM_CLASSES];
 uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
-uint64_t _hk_div_magic[HK_NUM_CLASSES];
-uint64_t _hk_div_limit[HK_NUM_CLASSES];
+hk_div_t _hk_div[HK_NUM_CLASSES] __attribute__((aligned(64)));
 uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];
 hk_proc_counters_t _hk_proc;
 int _hk_initialized;
@@ -87,8 +86,8 @@ static void classes_init(void) {
     ci->slab_blocks = (uint32_t)(((uint64_t)best << HK_PAGE_SHIFT) / size);
     uint64_t c = UINT64_MAX / size + 1;
     uint64_t e = c * size;                    /* d*c mod 2^64, < size */
-    _hk_div_magic[cls] = c;
-    _hk_div_limit[cls] = e ? (uint64_t)ci->slab_blocks * e : c;
+    _hk_div[cls].magic = c;
+    _hk_div[cls].limit = e ? (uint64_t)ci->slab_blocks * e : c;
   }
 #if HK_DEBUG
   /* The block-start test against plain division, for every block start,
@@ -100,7 +99,7 @@ static void classes_init(void) {
       for (uint64_t d = 0; d < 64 && q * size + d < span; d += 16) {
         uint64_t off = q * size + d;
         bool want = off % size == 0 && off / size < blocks;
-        HK_ASSERT((off * _hk_div_magic[cls] < _hk_div_limit[cls]) == want);
+        HK_ASSERT((off * _hk_div[cls].magic < _hk_div[cls].limit) == want);
       }
   }
 #endif

@@ -76,10 +76,13 @@ extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
 extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
 /* Per class, for the block-start test (0 for class 0): ceil(2^64 / size),
- * and the bound the product must stay under (see _hk_is_block_start).
- * Arrays of their own so free() indexes each with one scaled load. */
-extern uint64_t _hk_div_magic[HK_NUM_CLASSES];
-extern uint64_t _hk_div_limit[HK_NUM_CLASSES];
+ * and the bound the product must stay under (see _hk_is_block_start). 32
+ * bytes a class, the stride of a thread-cache bin, so free() indexes both
+ * with the one shifted class number it computes anyway. */
+typedef struct hk_div_s {
+  uint64_t magic, limit, _pad[2];
+} hk_div_t;
+extern hk_div_t _hk_div[HK_NUM_CLASSES];
 extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
 /* [k][cls]: the first class >= cls whose size is a multiple of 2^(k+5)
  * (alignments 32 B .. 64 KiB), or 0 when none is. */
@@ -142,7 +145,7 @@ HK_INLINE bool _hk_is_block_start(const hk_segment_t* seg, unsigned page,
                                   unsigned cls, const void* p) {
   uintptr_t start = (uintptr_t)seg + ((uintptr_t)seg->page_first[page] << HK_PAGE_SHIFT);
   uint64_t off = (uint64_t)((uintptr_t)p - start);
-  return off * _hk_div_magic[cls] < _hk_div_limit[cls];
+  return off * _hk_div[cls].magic < _hk_div[cls].limit;
 }
 
 /* ---- slow paths and helpers (one file each) --------------------------------- */

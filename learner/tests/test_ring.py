@@ -49,6 +49,29 @@ def test_file_name_mode_owner_and_removal(shm):
     assert not path.exists(), "the file must go at normal exit"
 
 
+def test_exec_replaces_the_file_of_the_image_before(shm):
+    # bash (preloaded, so it publishes) execs the workload: same pid, same
+    # start time, so the same name; the new image replaces the old file.
+    import subprocess
+    from conftest import LIB, WORKLOAD
+    env = clean_env(LD_PRELOAD=str(LIB), HAKMEM_SHM_DIR=str(shm))
+    p = subprocess.Popen(["bash", "-c", f"exec {WORKLOAD} burst 64 2000 1.0"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def workload_file():
+        files = list(shm.glob(f"{p.pid}-*"))
+        if len(files) != 1:
+            return None
+        try:
+            with Ring(str(files[0])) as r:
+                return files[0] if r.header()["exe"].endswith("/workload") else None
+        except RingError:
+            return None
+    wait_for(workload_file, 5, "the exec'd image's own file")
+    assert p.wait(timeout=30) == 0
+    assert list(shm.iterdir()) == []
+
+
 def test_forked_child_has_its_own_file(shm):
     p = start(["fork", 1.0], shm)
     parent_file = ring_path(shm, p.pid)

@@ -86,11 +86,11 @@ $(BUILD)/debug/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile $(BUILD)/debug/cflags.st
 
 $(BUILD)/libhakmem.so: $(REL_OBJS)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) -shared -Wl,-z,now -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
 
 $(BUILD)/debug/libhakmem.so: $(DBG_OBJS)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) -shared -Wl,-z,now -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
 
 $(BUILD)/libhakmem.a: $(REL_OBJS)
 	@$(if $(Q),echo "  AR      $@")

@@ -103,21 +103,27 @@ static void classes_init(void) {
       }
   }
 #endif
-  for (unsigned k = 0; k < HK_ALIGN_LEVELS; k++)
-    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-      unsigned a = cls;
-      while (a < HK_NUM_CLASSES && _hk_class[a].size & ((1u << (k + HK_ALIGN_SHIFT0)) - 1)) a++;
-      _hk_align_class[k][cls] = (uint8_t)(a < HK_NUM_CLASSES ? a : 0);
+  /* From the top down, so each alignment is one pass over the classes. */
+  for (unsigned k = 0; k < HK_ALIGN_LEVELS; k++) {
+    unsigned next = 0;   /* the nearest class above with aligned blocks */
+    for (unsigned c = HK_NUM_CLASSES - 1; c >= 1; c--) {
+      if ((_hk_class[c].size & ((1u << (k + HK_ALIGN_SHIFT0)) - 1)) == 0) next = c;
+      _hk_align_class[k][c] = (uint8_t)next;
     }
+  }
+  /* Sizes grow with i, so each table is one merge-like pass: the class
+   * search resumes where the last entry's ended (restarting it at class 1
+   * for each of the 257 medium entries cost ~45k instructions, a third of
+   * what preloading hakmem adds to a process that never allocates). */
+  unsigned cls = 1;
   for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++) {
     size_t n = i ? (size_t)i * 16 : 1;
-    unsigned cls = 1;
     while (_hk_class[cls].size < n) cls++;
     _hk_small_class[i] = (uint8_t)cls;
   }
+  cls = 1;
   for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++) {
     size_t n = i ? (size_t)i * 128 : 1;
-    unsigned cls = 1;
     while (_hk_class[cls].size < n) cls++;
     _hk_medium_class[i] = (uint8_t)cls;
   }
@@ -135,8 +141,12 @@ static void classes_init(void) {
  */
 static hk_thread_rec_t* registry;      /* live records */
 static hk_thread_rec_t* rec_free;      /* reusable records */
-static uint8_t* rec_chunk;             /* bump area for new records */
-static size_t rec_chunk_left;
+/* The first thread's record is static: most processes have one thread, and
+ * it saves them a 64 KiB mapping (an mmap and a page fault) at their first
+ * allocation. Later chunks are mapped as needed. */
+static hk_thread_rec_t rec_first;
+static uint8_t* rec_chunk = (uint8_t*)&rec_first;   /* bump area for new records */
+static size_t rec_chunk_left = sizeof rec_first;
 static size_t rec_count, rec_count_at_sweep;
 
 #define REC_CHUNK (64u << 10)
@@ -334,7 +344,7 @@ __attribute__((constructor(101))) static void hk_constructor(void) {
 /* The exit-time table and the telemetry file's last record come from one
  * snapshot, so a reader's totals equal the printed ones. */
 __attribute__((destructor(101))) static void hk_destructor(void) {
-  static hk_stats_t st;
+  static hk_stats_t st HK_SPARSE_BSS;
   if (!_hk_stats_at_exit() && !_hk_tel_on) return;
   hk_stats_get(&st);
   _hk_tel_exit(&st);

@@ -66,6 +66,15 @@
 #define hk_add_relaxed(p, v)      atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
 #define hk_sub_relaxed(p, v)      atomic_fetch_sub_explicit((p), (v), memory_order_relaxed)
 
+/* ---- data layout ------------------------------------------------------------
+ * Large zero-initialized data that a process touches sparsely or never (the
+ * address map, the stats snapshot buffers) goes to .lbss, which the linker
+ * places after all of .bss. Left in .bss, they sat between the small hot
+ * globals and spread those over several more pages, each one a page fault in
+ * every process (the dynamic loader already zeroes the page after .data).
+ */
+#define HK_SPARSE_BSS __attribute__((section(".lbss")))
+
 /* ---- globals (defined in init.c / segment.c / options.c) ------------------- */
 extern __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
 /* One byte per 4 MiB of the 47-bit address space (32 MiB of .bss: pages of

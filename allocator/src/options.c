@@ -81,9 +81,19 @@ bool _hk_options_env_missing(void) { return env_missing; }
 
 static void options_read(void) {
   env_missing = environ == NULL;
+  /* One pass over the environment (every process pays for it at start),
+   * the first value of a name winning as with getenv. */
+  const char* found[OPT_COUNT] = {0};
+  for (char** e = environ; e && *e; e++) {
+    if (strncmp(*e, "HAKMEM_", 7) != 0) continue;
+    for (int i = 0; i < OPT_COUNT; i++) {
+      size_t n = strlen(options[i].env);
+      if (!found[i] && strncmp(*e, options[i].env, n) == 0 && (*e)[n] == '=') found[i] = *e + n + 1;
+    }
+  }
   for (int i = 0; i < OPT_COUNT; i++) {
     hk_option_t* o = &options[i];
-    const char* s = _hk_env_get(o->env);
+    const char* s = found[i];
     if (!s) continue;
     long long v;
     if (!parse_uint(s, &v) || v < o->min || v > o->max) {

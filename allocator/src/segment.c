@@ -15,7 +15,7 @@
 #include "internal.h"
 #include "prim.h"
 
-uint8_t _hk_map[HK_MAP_ENTRIES];
+uint8_t _hk_map[HK_MAP_ENTRIES] HK_SPARSE_BSS;
 
 static hk_lock_t seg_lock;
 static hk_segment_t* seg_list;                 /* segments with free pages */

@@ -83,6 +83,7 @@ static uint32_t take_blocks(hk_central_t* c, unsigned cls, uint32_t n,
   const uint32_t size = _hk_class[cls].size;
   void* head = NULL;
   uint32_t got = 0;
+  bool fresh = false;
   while (got < n) {
     hk_slab_t* s = c->partial;
     if (!s && !(s = slab_get(c, cls))) break;
@@ -100,7 +101,16 @@ static uint32_t take_blocks(hk_central_t* c, unsigned cls, uint32_t n,
       s->used++;
     }
     if (got < n && s->bump < s->end) {
+      /* Never-used blocks: only those starting in the OS page that holds
+       * the bump pointer (at least one). Linking a block writes into it,
+       * so a larger take would fault in pages ahead of use, and a short
+       * run leaves them untouched by the program (up to 7 pages per class
+       * at the end of the slow start); refills from fresh memory pay a
+       * page fault each anyway, which dwarfs one more trip here. */
       uint32_t m = (uint32_t)((size_t)(s->end - s->bump) / size);
+      uintptr_t page_end = ((uintptr_t)s->bump | (HK_OS_PAGE - 1)) + 1;
+      uint32_t in_page = (uint32_t)((page_end - (uintptr_t)s->bump + size - 1) / size);
+      if (m > in_page) m = in_page;
       if (m > n - got) m = n - got;
       uint8_t* b = s->bump;
       for (uint32_t i = 0; i < m; i++) HK_VG_DEFINED(b + (size_t)i * size, sizeof(void*));
@@ -112,11 +122,13 @@ static uint32_t take_blocks(hk_central_t* c, unsigned cls, uint32_t n,
       s->bump += (size_t)m * size;
       got += m;
       s->used += m;
+      fresh = true;
     }
     if (s->used == s->capacity) {
       slab_unlink(&c->partial, s);
       s->state = HK_SLAB_FULL;
     }
+    if (fresh) break;   /* at most one fresh page per refill (see above) */
   }
   HK_ASSERT(got <= n);
   *head_out = head;

@@ -62,7 +62,7 @@ static struct {
   char path[600];
   hk_shm_record_t prev;       /* last record written, for monotonic counters */
   hk_stats_t st;              /* scratch (8 KiB: off the thread stacks) */
-} tel;
+} tel HK_SPARSE_BSS;          /* 17 KiB nobody touches with telemetry off */
 
 /* ---- policy slots ------------------------------------------------------------ */
 /* FNV-1a 64 over the version and the slot after the checksum field. */
@@ -105,7 +105,32 @@ static void reject(unsigned why, bool counted) {
   if (!counted) hk_add_relaxed(&_hk_proc.policies_rejected, 1);
 }
 
-/* Examines the published snapshot if it is new (tel.lock held). */
+/* Checks a copied snapshot and applies it; false when it was rejected. */
+static bool apply_snapshot(const hk_shm_policy_slot_t* s, uint64_t v) {
+  if (s->version != v) { reject(REJ_SLOT_VERSION, false); return false; }
+  if (slot_checksum(s) != s->checksum) { reject(REJ_CHECKSUM, false); return false; }
+  if (s->flags != 0 || s->tcache_cap[0] != 0 || s->tcache_batch[0] != 0 || s->warm_slabs[0] != 0) {
+    reject(REJ_BOUNDS, false);
+    return false;
+  }
+  hk_policy_t p;
+  memset(&p, 0, sizeof p);
+  p.drain_ms = s->drain_ms;
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    p.tcache_cap[c] = s->tcache_cap[c];
+    p.tcache_batch[c] = s->tcache_batch[c];
+    p.warm_slabs[c] = s->warm_slabs[c];
+  }
+  /* hk_policy_set validates every value and counts its own rejections. */
+  if (hk_policy_set(&p) == 0) { reject(REJ_BOUNDS, true); return false; }
+  tel.hdr->reject_reason = REJ_NONE;
+  hk_store_release((_Atomic uint64_t*)&tel.hdr->applied_version, v);
+  return true;
+}
+
+/* Examines the published snapshot if it is new (tel.lock held). The
+ * header's seen_version is stored last, so a reader that sees it also sees
+ * the outcome (applied_version or the rejection). */
 static void poll_policy(void) {
   _Atomic uint64_t* word = (_Atomic uint64_t*)&tel.pol->version;
   uint64_t v = hk_load_acquire(word);
@@ -115,23 +140,8 @@ static void poll_policy(void) {
   atomic_thread_fence(memory_order_acquire);
   if (hk_load_relaxed(word) != v) return;    /* rewritten under us: later */
   tel.last_seen = v;
-  tel.hdr->seen_version = v;
-  if (s.version != v) { reject(REJ_SLOT_VERSION, false); return; }
-  if (slot_checksum(&s) != s.checksum) { reject(REJ_CHECKSUM, false); return; }
-  hk_policy_t p;
-  memset(&p, 0, sizeof p);
-  bool ok = s.flags == 0 && s.tcache_cap[0] == 0 && s.tcache_batch[0] == 0 && s.warm_slabs[0] == 0;
-  p.drain_ms = s.drain_ms;
-  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
-    p.tcache_cap[c] = s.tcache_cap[c];
-    p.tcache_batch[c] = s.tcache_batch[c];
-    p.warm_slabs[c] = s.warm_slabs[c];
-  }
-  if (!ok) { reject(REJ_BOUNDS, false); return; }
-  /* hk_policy_set validates every value and counts its own rejections. */
-  if (hk_policy_set(&p) == 0) { reject(REJ_BOUNDS, true); return; }
-  tel.hdr->reject_reason = REJ_NONE;
-  hk_store_release((_Atomic uint64_t*)&tel.hdr->applied_version, v);
+  apply_snapshot(&s, v);
+  hk_store_release((_Atomic uint64_t*)&tel.hdr->seen_version, v);
 }
 
 /* ---- records ----------------------------------------------------------------- */
@@ -258,13 +268,15 @@ static void fill_header(hk_shm_header_t* h, uint32_t pid, uint64_t start_time) {
 
 /* Creates and maps this process's file; false leaves telemetry off. */
 static bool create_file(void) {
+  /* The directory first: without it (no learnd) a process pays one failed
+   * open and nothing else. */
+  int dfd = open(tel.dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return false;
   uint32_t pid = (uint32_t)getpid();
   uint64_t start_time = read_start_time();
   char name[64];
   _hk_fmt(name, sizeof name, "%lu-%lu", (uint64_t)pid, start_time);
   _hk_fmt(tel.path, sizeof tel.path, "%s/%s", tel.dir, name);
-  int dfd = open(tel.dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return false;
   int fd = -1;
   for (int attempt = 0; attempt < 2 && fd < 0; attempt++) {
     fd = openat(dfd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);

@@ -351,6 +351,32 @@ TEST(calloc_after_dirty_free) {
   }
 }
 
+/* A cached huge mapping serves a request of another size: the pages an
+ * earlier object touched must be zeroed for calloc however far they reach,
+ * and the fresh ones past them read zero on their own. */
+TEST(calloc_huge_reuses_other_sizes) {
+  static const size_t pairs[][2] = {{20 * MiB, 18 * MiB}, {6 * MiB, 9 * MiB}, {13 * MiB, 12 * MiB},
+                                    {5 * MiB, 7 * MiB}, {24 * MiB, 17 * MiB}, {9 * MiB, 9 * MiB + 100}};
+  for (int r = 0; r < 2; r++)
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+      unsigned char* a = malloc(pairs[i][0]);
+      REQUIRE(a != NULL);
+      memset(a, 0xAA, malloc_usable_size(a));
+      unsigned char* keep = malloc(3 * MiB);   /* so the cache holds more than one */
+      REQUIRE(keep != NULL);
+      memset(keep, 0xBB, 3 * MiB);
+      free(a);
+      unsigned char* c = calloc(1, pairs[i][1]);
+      REQUIRE(c != NULL);
+      long off = check_byte(c, pairs[i][1], 0);
+      if (off >= 0) harness_say("  %zu then calloc(%zu): byte %ld not zero\n", pairs[i][0], pairs[i][1], off);
+      CHECK(off < 0);
+      memset(c, 0xCC, pairs[i][1]);
+      free(keep);
+      free(c);
+    }
+}
+
 TEST(calloc_overflow_and_zero) {
   errno = 0;
   void* p = calloc(v_size_max / 2, 3);
@@ -956,6 +982,7 @@ int main(void) {
   RUN(malloc_beyond_what_the_kernel_commits);
   RUN(calloc_zeroed);
   RUN(calloc_after_dirty_free);
+  RUN(calloc_huge_reuses_other_sizes);
   RUN(calloc_overflow_and_zero);
   RUN(reallocarray_semantics);
   RUN(realloc_null_is_malloc);

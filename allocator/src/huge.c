@@ -130,6 +130,67 @@ static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
   return place(base, map_len, off, n);
 }
 
+/* No cached mapping is big enough: unlinks the one whose touched pages
+ * cover most of the request, if they are worth moving (a quarter of it at
+ * least). Called with huge_lock held. */
+static hk_huge_t* cache_take_smaller(size_t n, size_t off) {
+  size_t need = round_up(off + n, HK_SEG_SIZE);
+  hk_huge_t** best = NULL;
+  size_t best_end = round_up(off + n, HK_OS_PAGE) / 4;
+  for (hk_huge_t** link = &cache; *link; link = &(*link)->next_cached) {
+    hk_huge_t* h = *link;
+    if (h->map_len >= need) continue;
+    size_t end = round_up((size_t)((uint8_t*)h + sizeof(hk_huge_t) - (uint8_t*)h->base) + h->dirty,
+                          HK_OS_PAGE);
+    if (end > best_end) { best = link; best_end = end; }
+  }
+  if (!best) return NULL;
+  hk_huge_t* h = *best;
+  *best = h->next_cached;
+  cache_count--;
+  cache_bytes -= h->map_len;
+  _hk_map[chunk_of((uint8_t*)h + sizeof(hk_huge_t))] = HK_MAP_NONE;
+  return h;
+}
+
+/* A new mapping of map_len bytes whose first pages are those of a smaller
+ * cached mapping, moved there by mremap: its touched pages need no fault.
+ * *dirty_end gets how far from the new base they reach (0: a plain new
+ * mapping). NULL when mapping fails. */
+static void* map_reusing(size_t n, size_t off, size_t map_len, size_t align_map, size_t* dirty_end) {
+  *dirty_end = 0;
+  hk_huge_t* h = NULL;
+  if (cache) {
+    _hk_lock(&huge_lock);
+    h = cache_take_smaller(n, off);
+    _hk_unlock(&huge_lock);
+  }
+  void* base;
+  if (_hk_os_map_aligned(map_len, align_map, false, &base) != 0) {
+    if (h) {   /* give it back to the OS, as eviction would have */
+      hk_sub_relaxed(&_hk_proc.committed_bytes, h->map_len);
+      _hk_os_unmap(h->base, h->map_len);
+    }
+    return NULL;
+  }
+  hk_add_relaxed(&_hk_proc.committed_bytes, map_len);
+  if (h) {
+    size_t old_len = h->map_len;
+    size_t end = round_up((size_t)((uint8_t*)h + sizeof(hk_huge_t) - (uint8_t*)h->base) + h->dirty,
+                          HK_OS_PAGE);
+    void* old_base = h->base;
+    /* The moved pages replace fresh ones already counted as committed. */
+    hk_sub_relaxed(&_hk_proc.committed_bytes, old_len);
+    if (_hk_os_move(old_base, old_len, base) == 0) {
+      *dirty_end = end;
+      HK_VG_DEFINED(base, old_len);
+    } else {
+      _hk_os_unmap(old_base, old_len);
+    }
+  }
+  return base;
+}
+
 void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
   size_t off = user_offset(align);
   if (n > ((size_t)1 << 46) || off > ((size_t)1 << 40)) { errno = ENOMEM; return NULL; }
@@ -143,10 +204,11 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
   if (cache) user = cache_take(n, off, &dirty);
   _hk_unlock(&huge_lock);
   if (!user) {
-    void* base;
     size_t align_map = off > HK_SEG_SIZE ? off : HK_SEG_SIZE;
-    if (_hk_os_map_aligned(map_len, align_map, false, &base) != 0) { errno = ENOMEM; return NULL; }
-    hk_add_relaxed(&_hk_proc.committed_bytes, map_len);
+    size_t end;
+    void* base = map_reusing(n, off, map_len, align_map, &end);
+    if (!base) { errno = ENOMEM; return NULL; }
+    dirty = end > off ? end - off : 0;
     _hk_lock(&huge_lock);
     user = place(base, map_len, off, n);
     _hk_unlock(&huge_lock);

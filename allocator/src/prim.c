@@ -68,6 +68,12 @@ int _hk_os_grow_in_place(void* p, size_t old_len, size_t new_len) {
   return q == MAP_FAILED ? errno : 0;
 }
 
+int _hk_os_move(void* p, size_t len, void* dst) {
+  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  void* q = mremap(p, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst);
+  return q == MAP_FAILED ? errno : 0;
+}
+
 int _hk_os_shrink(void* p, size_t old_len, size_t new_len) {
   if (new_len >= old_len) return 0;
   return _hk_os_unmap((char*)p + new_len, old_len - new_len);

@@ -24,6 +24,9 @@ int _hk_os_unmap(void* p, size_t len);
 int _hk_os_decommit(void* p, size_t len);
 /* Grows a mapping in place (never moves it). */
 int _hk_os_grow_in_place(void* p, size_t old_len, size_t new_len);
+/* Moves the pages of [p, p+len) to dst, replacing what was mapped there
+ * (mremap: page tables move, no copy). */
+int _hk_os_move(void* p, size_t len, void* dst);
 /* Shrinks a mapping in place. */
 int _hk_os_shrink(void* p, size_t old_len, size_t new_len);
 /* Maps len bytes of file fd shared (the telemetry file), and unmaps it. */

@@ -111,6 +111,7 @@ HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
   void* p;
   if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || bin->cap == 0)) {
     p = _hk_alloc_direct(cls);
+    if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());   /* check mode, capacity 0 */
   } else if (bin->head) {             /* refilled while applying a policy */
     p = bin->head;
     bin->head = *(void**)p;
@@ -151,6 +152,7 @@ HK_NOINLINE void _hk_free_slow(void* p) {
   HK_VG_FREE(p);
   if (tc->state != HK_TC_ACTIVE || bin->cap == 0) {
     _hk_free_direct(p, seg, page, cls);
+    if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());
     return;
   }
   if (bin->count >= bin->cap) {

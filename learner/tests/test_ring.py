@@ -165,6 +165,16 @@ def test_records_every_epoch(shm):
     assert p.wait(timeout=30) == 0
 
 
+def test_check_mode_publishes_too(shm):
+    # HAKMEM_CHECK=1 runs without thread caches: every call is a slow path
+    # that bypasses refills, and must still tick the ring.
+    p = start(["burst", 64, 200, 1.0], shm, HAKMEM_CHECK=1)
+    with Ring(str(ring_path(shm, p.pid))) as ring:
+        wait_for(lambda: ring.ring_head() >= 3, 5, "records in check mode")
+        assert ring.policy_in_force()["tcache_cap"][CLS64] > 0   # the policy; check mode ignores it
+    assert p.wait(timeout=30) == 0
+
+
 # ---- policy through the snapshot ---------------------------------------------
 def refills_per_op(a, b):
     d_refills = int(b["cls"]["refills"][CLS64]) - int(a["cls"]["refills"][CLS64])

@@ -42,7 +42,7 @@ HK_INLINE void free_fast(void* p) {
   unsigned page = (unsigned)(in_seg >> HK_PAGE_SHIFT);
   unsigned cls = seg->page_class[page];
   hk_bin_t* bin = &_hk_tc.bin[cls];
-  uint64_t off = in_seg - ((uintptr_t)seg->page_first[page] << HK_PAGE_SHIFT);
+  uint64_t off = in_seg - seg->page_start[page];
   if (HK_UNLIKELY(off * _hk_div[cls].magic >= _hk_div[cls].limit || bin->count >= bin->cap ||
                   p == bin->head)) {
     _hk_free_slow(p);

@@ -152,7 +152,7 @@ HK_INLINE unsigned _hk_page_of(const void* p) {
  * powers of two, whose slabs have no slack; their bound stays c.) */
 HK_INLINE bool _hk_is_block_start(const hk_segment_t* seg, unsigned page,
                                   unsigned cls, const void* p) {
-  uintptr_t start = (uintptr_t)seg + ((uintptr_t)seg->page_first[page] << HK_PAGE_SHIFT);
+  uintptr_t start = (uintptr_t)seg + seg->page_start[page];
   uint64_t off = (uint64_t)((uintptr_t)p - start);
   return off * _hk_div[cls].magic < _hk_div[cls].limit;
 }

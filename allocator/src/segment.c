@@ -2,11 +2,11 @@
  *
  * SYNCHRONIZATION
  *  1. seg_lock guards the segment list, the reservation cursor, the empty
- *     segment cache, free_pages/page_class/page_first of every segment, and
+ *     segment cache, free_pages/page_class/page_start of every segment, and
  *     writes to _hk_map.
  *  2. Lock order: a class lock (slab.c) may be held when seg_lock is taken,
  *     never the other way round.
- *  3. free() reads _hk_map and page_class/page_first without a lock. They
+ *  3. free() reads _hk_map and page_class/page_start without a lock. They
  *     change only when a slab is carved (before any block of it exists) or
  *     released (after every block of it came back), so for a correct program
  *     no free can race with the change; the class locks order the writes
@@ -104,7 +104,7 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   uint64_t mask = (k == 64 ? ~(uint64_t)0 : (((uint64_t)1 << k) - 1)) << first;
   s->free_pages &= ~mask;
   for (unsigned i = (unsigned)first; i < (unsigned)first + k; i++) {
-    s->page_first[i] = (uint8_t)first;
+    s->page_start[i] = (uint32_t)first << HK_PAGE_SHIFT;
     s->page_class[i] = (uint8_t)cls;
   }
   if (s->free_pages == 0) list_remove(s);
@@ -141,7 +141,7 @@ void _hk_slab_release(hk_slab_t* slab) {
   _hk_lock(&seg_lock);
   for (unsigned i = first; i < first + k; i++) {
     s->page_class[i] = 0;
-    s->page_first[i] = 0;
+    s->page_start[i] = 0;
   }
   slab->state = HK_SLAB_UNUSED;
   slab->free = NULL;

@@ -188,8 +188,11 @@ HK_INLINE void* aligned_fast(size_t align, size_t n) {
     cls = _hk_class_of(n);
   } else {
     if (align > HK_PAGE_SIZE) return NULL;
-    cls = _hk_class_of(n < align ? align : n);
-    cls = _hk_align_class[__builtin_ctzll(align) - HK_ALIGN_SHIFT0][cls];
+    size_t m = n < align ? align : n;
+    unsigned k = (unsigned)__builtin_ctzll(align) - HK_ALIGN_SHIFT0;
+    if (HK_LIKELY(m <= HK_SMALL_MAX)) cls = _hk_align_small[k][(m + 15) >> 4];
+    else if (HK_LIKELY(m <= HK_MEDIUM_MAX)) cls = _hk_align_medium[k][(m + 127) >> 7];
+    else cls = _hk_align_class[k][_hk_class_of(m)];
   }
   hk_bin_t* bin = &_hk_tc.bin[cls];
   void* p = bin->head;
@@ -203,6 +206,7 @@ HK_INLINE void* aligned_fast(size_t align, size_t n) {
 
 static HK_NOINLINE void* alloc_aligned_slow(size_t align, size_t n) {
   if (!_hk_initialized) _hk_init();
+  _hk_align_tables_build();
   if (align <= HK_MIN_ALIGN) return alloc_cls(_hk_class_of(n), n);
   if (n > PTRDIFF_MAX - align) { errno = ENOMEM; return NULL; }
   unsigned cls = aligned_class(n, align);

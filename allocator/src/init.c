@@ -34,6 +34,8 @@ uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
 hk_div_t _hk_div[HK_NUM_CLASSES] __attribute__((aligned(64)));
 uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];
+uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1];
+uint8_t _hk_align_medium[HK_ALIGN_LEVELS][HK_MEDIUM_MAX / 128 + 1];
 hk_proc_counters_t _hk_proc;
 int _hk_initialized;
 
@@ -127,6 +129,22 @@ static void classes_init(void) {
     while (_hk_class[cls].size < n) cls++;
     _hk_medium_class[i] = (uint8_t)cls;
   }
+}
+
+/* Built at the first aligned request's slow path rather than at start: 4 KiB
+ * of tables that most processes never read. Until then they read 0, which
+ * sends aligned requests to the slow path (bin 0 is always empty). */
+void _hk_align_tables_build(void) {
+  static _Atomic int state;   /* 0 none, 1 building, 2 built */
+  int expect = 0;
+  if (hk_load_relaxed(&state) != 0 || !atomic_compare_exchange_strong(&state, &expect, 1)) return;
+  for (unsigned k = 0; k < HK_ALIGN_LEVELS; k++) {
+    for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++)
+      _hk_align_small[k][i] = _hk_align_class[k][_hk_small_class[i]];
+    for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++)
+      _hk_align_medium[k][i] = _hk_align_class[k][_hk_medium_class[i]];
+  }
+  atomic_store(&state, 2);
 }
 
 /* ---- threads ----------------------------------------------------------------

@@ -98,6 +98,11 @@ extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
 #define HK_ALIGN_SHIFT0 5
 #define HK_ALIGN_LEVELS (HK_PAGE_SHIFT - HK_ALIGN_SHIFT0 + 1)
 extern uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];   /* rows of 64: index by shift */
+/* The same composed with the size tables, so the aligned fast path does one
+ * lookup, not two in a row: [k][(n + 15) >> 4] and [k][(n + 127) >> 7]. */
+extern uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1];
+extern uint8_t _hk_align_medium[HK_ALIGN_LEVELS][HK_MEDIUM_MAX / 128 + 1];
+void _hk_align_tables_build(void);   /* once, from the aligned slow path */
 extern bool _hk_check_mode;                     /* HAKMEM_CHECK=1 */
 extern int  _hk_initialized;
 

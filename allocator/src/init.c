@@ -34,8 +34,8 @@ uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
 hk_div_t _hk_div[HK_NUM_CLASSES] __attribute__((aligned(64)));
 uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];
-uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1];
-uint8_t _hk_align_medium[HK_ALIGN_LEVELS][HK_MEDIUM_MAX / 128 + 1];
+uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1] HK_SPARSE_BSS;
+uint8_t _hk_align_medium[HK_ALIGN_LEVELS][HK_MEDIUM_MAX / 128 + 1] HK_SPARSE_BSS;
 hk_proc_counters_t _hk_proc;
 int _hk_initialized;
 

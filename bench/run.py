@@ -566,7 +566,8 @@ def markdown(result: dict) -> str:
         unseen = sum(not r["ring_file_seen"] for r in tel_runs)
         if unseen:
             lines += ["", f"hakmem-tel: no ring file appeared in the telemetry directory in {unseen} of {len(tel_runs)} "
-                      "runs: telemetry may not have been on (or the run was too short to see it)."]
+                      "runs: hakmem makes the file one telemetry epoch (100 ms) after start, so runs shorter than that "
+                      "(--quick) have none; otherwise telemetry was not on."]
     return "\n".join(lines) + "\n"
 
 

@@ -336,8 +336,7 @@ void _hk_tel_start(void) {
 
 void _hk_tel_tick(uint64_t now_ns) {
   if (now_ns < tel.next_ns &&
-      (tel.state == TEL_PENDING ||
-       hk_load_relaxed((_Atomic uint64_t*)&tel.pol->version) == tel.last_seen))
+      (tel.state != TEL_ON || hk_load_relaxed((_Atomic uint64_t*)&tel.pol->version) == tel.last_seen))
     return;
   if (!tel_trylock()) return;
   if (tel.state == TEL_PENDING) {

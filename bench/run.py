@@ -75,18 +75,20 @@ class Config:
     threads: int = 1
 
 
+# Full sizes: every hakmem run lasts at least ~0.3 s (LESSONS.md: short runs
+# measure warm-up); the slowest peers then take a few seconds.
 CONFIGS = [
     Config("random_mixed", "random_mixed", ["50000000", "400", "42"], ["5000000", "400", "42"]),
-    Config("tiny_hot", "tiny_hot", ["100000000"], ["20000000"]),
-    Config("mid_large_mt_1t", "mid_large_mt", ["1", "6000000", "400", "42"], ["1", "1000000", "400", "42"]),
-    Config("mid_large_mt_2t", "mid_large_mt", ["2", "6000000", "400", "42"], ["2", "1000000", "400", "42"], 2),
+    Config("tiny_hot", "tiny_hot", ["200000000"], ["20000000"]),
+    Config("mid_large_mt_1t", "mid_large_mt", ["1", "30000000", "400", "42"], ["1", "1000000", "400", "42"]),
+    Config("mid_large_mt_2t", "mid_large_mt", ["2", "30000000", "400", "42"], ["2", "1000000", "400", "42"], 2),
     Config("larson_1t", "larson", ["1", "1", "16", "1024", "1000", "10000", "42"],
            ["1", "0.2", "16", "1024", "1000", "10000", "42"]),
     Config("larson_2t", "larson", ["2", "1", "16", "1024", "1000", "10000", "42"],
            ["2", "0.2", "16", "1024", "1000", "10000", "42"], 2),
     Config("prodcons_2t", "prodcons", ["2", "4000000", "16", "1024", "42"], ["2", "400000", "16", "1024", "42"], 2),
-    Config("realloc_grow", "realloc_grow", ["400", "1048576", "42"], ["60", "1048576", "42"]),
-    Config("aligned", "aligned", ["4000000", "42"], ["1000000", "42"]),
+    Config("realloc_grow", "realloc_grow", ["1600", "1048576", "42"], ["60", "1048576", "42"]),
+    Config("aligned", "aligned", ["16000000", "42"], ["1000000", "42"]),
     Config("large_churn", "large_churn", ["300", "20", "5", "25", "42"], ["40", "20", "5", "25", "42"]),
     Config("startup", "startup", ["1000", "3000"], ["100", "3000"]),
 ]

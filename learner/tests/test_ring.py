@@ -162,6 +162,10 @@ def test_records_every_epoch(shm):
         assert len(recs) >= 12, f"{len(recs)} records in 1 s at 50 ms"
         assert gaps.min() >= 40, f"records closer than the epoch: {gaps.min():.1f} ms"
         assert np.all(np.diff(recs["index"].astype(np.int64)) == 1)
+        # latest() reads one slot; it is the newest record or a newer one.
+        last = ring.latest()
+        assert int(last["index"]) >= int(recs[-1]["index"])
+        assert int(last["cls"]["allocs"][CLS64]) >= int(recs[-1]["cls"]["allocs"][CLS64])
     assert p.wait(timeout=30) == 0
 
 

@@ -110,7 +110,7 @@ def gen_layout_h(spec, lay):
     order = ["proc_counters", "class_counters", "record", "policy_slot", "policy_area", "header"]
     for name in order:
         s = lay[name]
-        L.append(f"typedef struct {{")
+        L.append("typedef struct {")
         for fname, ftype, count, off, desc in s["fields"]:
             ctype = PRIM[ftype][2] if ftype in PRIM else CNAME[ftype]
             dim = f"[{count}]" if count != 1 or ftype == "char" else ""

@@ -22,15 +22,20 @@
  * (huge sizes, pages without a slab) has an empty bin with capacity 0, so
  * those cases reach the slow paths through the same tests.
  */
-HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
-  hk_bin_t* bin = &_hk_tc.bin[cls];
+/* A block from this thread's bin, or NULL when it is empty. */
+HK_INLINE void* bin_pop(hk_bin_t* bin) {
   void* p = bin->head;
-  if (HK_UNLIKELY(p == NULL)) return _hk_malloc_slow(n, cls);
+  if (HK_UNLIKELY(p == NULL)) return NULL;
   bin->head = *(void**)p;
   bin->count--;
   bin->allocs++;
-  HK_VG_ALLOC(p, _hk_class[cls].size);
+  HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);
   return p;
+}
+
+HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
+  void* p = bin_pop(&_hk_tc.bin[cls]);
+  return HK_LIKELY(p != NULL) ? p : _hk_malloc_slow(n, cls);
 }
 
 HK_INLINE void free_fast(void* p) {
@@ -112,11 +117,8 @@ HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
   if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || bin->cap == 0)) {
     p = _hk_alloc_direct(cls);
     if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());   /* check mode, capacity 0 */
-  } else if (bin->head) {             /* refilled while applying a policy */
-    p = bin->head;
-    bin->head = *(void**)p;
-    bin->count--;
-    bin->allocs++;
+  } else if ((p = bin_pop(bin)) != NULL) {   /* refilled while applying a policy */
+    return p;
   } else {
     p = _hk_refill(tc, cls);
     maybe_gc(tc);
@@ -194,14 +196,7 @@ HK_INLINE void* aligned_fast(size_t align, size_t n) {
     else if (HK_LIKELY(m <= HK_MEDIUM_MAX)) cls = _hk_align_medium[k][(m + 127) >> 7];
     else cls = _hk_align_class[k][_hk_class_of(m)];
   }
-  hk_bin_t* bin = &_hk_tc.bin[cls];
-  void* p = bin->head;
-  if (HK_UNLIKELY(p == NULL)) return NULL;
-  bin->head = *(void**)p;
-  bin->count--;
-  bin->allocs++;
-  HK_VG_ALLOC(p, _hk_class[cls].size);
-  return p;
+  return bin_pop(&_hk_tc.bin[cls]);
 }
 
 static HK_NOINLINE void* alloc_aligned_slow(size_t align, size_t n) {
@@ -234,14 +229,8 @@ static size_t usable_size(void* p) {
 static HK_NOINLINE void* malloc_slow(size_t n) { return _hk_malloc_slow(n, _hk_class_of(n)); }
 
 HK_EXPORT void* malloc(size_t n) {
-  hk_bin_t* bin = &_hk_tc.bin[_hk_class_of(n)];
-  void* p = bin->head;
-  if (HK_UNLIKELY(p == NULL)) return malloc_slow(n);
-  bin->head = *(void**)p;
-  bin->count--;
-  bin->allocs++;
-  HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);
-  return p;
+  void* p = bin_pop(&_hk_tc.bin[_hk_class_of(n)]);
+  return HK_LIKELY(p != NULL) ? p : malloc_slow(n);
 }
 
 HK_EXPORT void free(void* p) { free_fast(p); }

@@ -37,6 +37,13 @@ static size_t user_offset(size_t align) {
 
 static hk_huge_t* header_of(const void* p) { return (hk_huge_t*)((uintptr_t)p - sizeof(hk_huge_t)); }
 
+/* How far from its mapping's start the object of h may have touched pages
+ * (page-rounded; the pages past it read zero). */
+static size_t touched_end(const hk_huge_t* h) {
+  const uint8_t* user = (const uint8_t*)h + sizeof(hk_huge_t);
+  return round_up((size_t)(user - (const uint8_t*)h->base) + h->dirty, HK_OS_PAGE);
+}
+
 static void* place(void* base, size_t map_len, size_t off, size_t n) {
   uint8_t* user = (uint8_t*)base + off;
   hk_huge_t* h = header_of(user);
@@ -104,8 +111,7 @@ static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
     hk_huge_t* h = *link;
     if (h->map_len < need || h->map_len > need + need / 2 + HK_SEG_SIZE) continue;
     if (((uintptr_t)h->base + off) & (off - 1)) continue; /* alignment */
-    size_t old_end = round_up((size_t)((uint8_t*)h + sizeof(hk_huge_t) - (uint8_t*)h->base) + h->dirty,
-                              HK_OS_PAGE);
+    size_t old_end = touched_end(h);
     size_t fresh = new_end > old_end ? new_end - old_end : 0;
     if (!best || fresh < best_fresh || (fresh == best_fresh && h->map_len < (*best)->map_len)) {
       best = link;
@@ -120,7 +126,7 @@ static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
   void* base = h->base;
   size_t map_len = h->map_len;
   uint8_t* old_user = (uint8_t*)h + sizeof(hk_huge_t);
-  size_t old_end = round_up((size_t)(old_user - (uint8_t*)base) + h->dirty, HK_OS_PAGE);
+  size_t old_end = touched_end(h);
   /* The old object's header lies inside the new object if off grew. */
   _hk_map[chunk_of(old_user)] = HK_MAP_NONE;
   HK_VG_DEFINED(base, map_len);   /* the old object was "freed" for memcheck */
@@ -140,8 +146,7 @@ static hk_huge_t* cache_take_smaller(size_t n, size_t off) {
   for (hk_huge_t** link = &cache; *link; link = &(*link)->next_cached) {
     hk_huge_t* h = *link;
     if (h->map_len >= need) continue;
-    size_t end = round_up((size_t)((uint8_t*)h + sizeof(hk_huge_t) - (uint8_t*)h->base) + h->dirty,
-                          HK_OS_PAGE);
+    size_t end = touched_end(h);
     if (end > best_end) { best = link; best_end = end; }
   }
   if (!best) return NULL;
@@ -176,8 +181,7 @@ static void* map_reusing(size_t n, size_t off, size_t map_len, size_t align_map,
   hk_add_relaxed(&_hk_proc.committed_bytes, map_len);
   if (h) {
     size_t old_len = h->map_len;
-    size_t end = round_up((size_t)((uint8_t*)h + sizeof(hk_huge_t) - (uint8_t*)h->base) + h->dirty,
-                          HK_OS_PAGE);
+    size_t end = touched_end(h);
     void* old_base = h->base;
     /* The moved pages replace fresh ones already counted as committed. */
     hk_sub_relaxed(&_hk_proc.committed_bytes, old_len);

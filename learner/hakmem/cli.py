@@ -6,12 +6,10 @@ one JSON document.
 """
 import argparse
 import json
-import os
 import signal
 import sys
 import time
 
-import numpy as np
 
 from . import __version__
 from . import layout as L

@@ -180,9 +180,6 @@ class Ring:
                 out[name] = int(v)
         return out
 
-    def _u64(self, offset):
-        return ctypes.c_uint64.from_buffer(self.mm, offset) if self.writable else None
-
     def _read_u64(self, offset):
         return int.from_bytes(self.mm[offset:offset + 8], "little")
 
@@ -196,15 +193,14 @@ class Ring:
     # ---- records --------------------------------------------------------------
     def records(self):
         """Every stable record still in the ring, oldest first (numpy array)."""
+        def seqs():   # every slot's sequence number, read in place
+            return np.frombuffer(self.mm, dtype=L.RECORD, count=self.slots, offset=self.ring_offset)["seq"].copy()
+
         for _ in range(10):
             head = self.ring_head()
-            lo, hi = self.ring_offset, self.ring_offset + self.slots * L.RECORD.itemsize
-            seq_off = L.offset_of("record", "seq")
-            seqs_before = np.frombuffer(self.mm, dtype="<u8", count=self.slots * (L.RECORD.itemsize // 8),
-                                        offset=lo)[seq_off // 8::L.RECORD.itemsize // 8].copy()
-            recs = np.frombuffer(self.mm[lo:hi], dtype=L.RECORD).copy()
-            seqs_after = np.frombuffer(self.mm, dtype="<u8", count=self.slots * (L.RECORD.itemsize // 8),
-                                       offset=lo)[seq_off // 8::L.RECORD.itemsize // 8].copy()
+            seqs_before = seqs()
+            recs = np.frombuffer(self.mm, dtype=L.RECORD, count=self.slots, offset=self.ring_offset).copy()
+            seqs_after = seqs()
             ok = (seqs_before == seqs_after) & (recs["seq"] == seqs_before) & (recs["seq"] % 2 == 0) & (recs["seq"] > 0)
             ok &= (recs["index"] < head) & (recs["index"] + self.slots >= head)
             if head and not ok.any():
@@ -261,11 +257,6 @@ class Ring:
         h = self.header()
         return {k: h[k] for k in ("applied_version", "seen_version", "rejected", "reject_reason")}
 
-    def bounds(self):
-        h = self.header()
-        return {"tcache_cap": (0, h["cap_max"]), "warm_slabs": (0, h["warm_max"]),
-                "batch_max": h["batch_max"], "drain_ms_max": h["drain_ms_max"]}
-
     def check_policy(self, pol):
         """Raises RingError naming the first value out of bounds."""
         h = self.header()
@@ -307,7 +298,8 @@ class Ring:
         the slot's stores, which is the release order the allocator needs)."""
         wp = self.policy_offset + L.offset_of("policy_area", "writer_pid")
         self.mm[wp:wp + 4] = os.getpid().to_bytes(4, "little")
-        self._u64(self.policy_offset + L.offset_of("policy_area", "version")).value = version
+        word = self.policy_offset + L.offset_of("policy_area", "version")
+        ctypes.c_uint64.from_buffer(self.mm, word).value = version
 
     def wait_applied(self, version, timeout=1.0):
         """Waits until the allocator examined `version`; returns (applied, status)."""

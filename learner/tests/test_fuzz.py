@@ -2,8 +2,6 @@
 out of range, wrong checksums, wrong slot versions and writers killed
 mid-write. The process must not crash, must never apply a policy partly,
 must keep the policy it had and must count every rejection."""
-import ctypes
-import os
 import random
 import signal
 import subprocess

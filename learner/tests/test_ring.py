@@ -5,14 +5,15 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from conftest import clean_env, proc_start_time, ring_path, run_cli, start, wait_for
+from conftest import LIB, WORKLOAD, clean_env, proc_start_time, ring_path, run_cli, start, wait_for
 from hakmem import layout as L
-from hakmem.ring import Ring, RingError, window
+from hakmem.ring import Ring, RingError
 
 CLS64 = 4   # the class serving 64-byte blocks
 
@@ -52,8 +53,6 @@ def test_file_name_mode_owner_and_removal(shm):
 def test_exec_replaces_the_file_of_the_image_before(shm):
     # bash (preloaded, so it publishes) execs the workload: same pid, same
     # start time, so the same name; the new image replaces the old file.
-    import subprocess
-    from conftest import LIB, WORKLOAD
     env = clean_env(LD_PRELOAD=str(LIB), HAKMEM_SHM_DIR=str(shm))
     p = subprocess.Popen(["bash", "-c", f"exec {WORKLOAD} burst 64 2000 1.0"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

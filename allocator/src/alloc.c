@@ -15,9 +15,9 @@
 #include "prim.h"
 
 /* ---- fast paths ----------------------------------------------------------------
- * malloc of a small size runs 19 instructions (callgrind) with one test: the
+ * malloc of a small size runs 18 instructions (callgrind) with one test: the
  * class lookup, the TLS bin, load head, test, load next, store head,
- * count-1, allocs+1. free runs 35: map byte, page class, block-start test
+ * count-1, allocs+1. free runs 33: map byte, page class, block-start test
  * (a multiply), capacity and adjacent-double-free tests, push. Class 0
  * (huge sizes, pages without a slab) has an empty bin with capacity 0, so
  * those cases reach the slow paths through the same tests.

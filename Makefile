@@ -47,6 +47,7 @@ TEST_CXXFLAGS := -std=gnu++17 -O1 -g -Wall -Wextra -I$(INC_DIR) -I$(TST_DIR) -pt
 VENV    := .venv
 PY      := $(VENV)/bin/python
 PYTHON3 ?= python3
+PB_PY   := learner/hakmem/_pb/hakmem_pb2.py
 
 .PHONY: all lib debug tests test clean help venv layout
 
@@ -54,11 +55,19 @@ all: lib debug venv ## build libhakmem.so/.a (release), build/debug/ (asserts, -
 
 venv: $(VENV)/.installed ## the hakmem Python package and its dependencies in .venv
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(PB_PY)
 	@$(if $(Q),echo "  VENV    $(VENV) (pip install -e .[test,bench])")
 	$(Q)test -x $(PY) || $(PYTHON3) -m venv $(VENV)
 	$(Q)$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	$(Q)touch $@
+
+# proto/ is the one definition of every message learnd, the CLI and exported
+# policy files exchange; the Python side is generated, never committed.
+$(PB_PY): proto/hakmem.proto
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  PROTOC  $@")
+	$(Q)protoc -Iproto --python_out=$(@D) $<
+	$(Q)touch $(@D)/__init__.py
 
 layout: ## regenerate the shared-memory layout's C and Python sides from schemas/shm_layout.json
 	$(Q)$(PYTHON3) tools/gen_layout.py

@@ -3,7 +3,7 @@
 # Idempotent: installs only what is missing. Needs root (or sudo) only then.
 set -euo pipefail
 
-pkgs=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps)
+pkgs=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps protobuf-compiler)
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,0 +1,402 @@
+"""hakmem-learnd's SQLite store: programs, processes, windows, policies,
+evaluations. `sqlite3 learn.db` is a supported way to look (schemas/sql/).
+
+- Migrations are the numbered files schemas/sql/NNNN_name.sql, each applied
+  with its record in schema_migrations in one transaction; a database newer
+  than this code is refused, never "downgraded".
+- WAL, foreign keys on, a short busy timeout: the daemon's loop must never
+  stall on a reader holding a lock. A write that fails (locked, read-only,
+  disk full) raises StoreError; the daemon keeps the rows and tries again
+  (daemon.py: PendingWrites).
+- Policies are stored once per program and set of knobs (by digest).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import sqlite3
+import time
+
+import numpy as np
+
+from .learning import Evaluation, Prior, canonical, digest
+
+SCHEMA_DIR = pathlib.Path(os.environ.get("HAKMEM_SCHEMA_DIR") or
+                          pathlib.Path(__file__).resolve().parents[2] / "schemas" / "sql")
+ORIGINS = ("default", "learned", "replay", "pinned")
+WINDOW_COLS = ("process_id", "policy_id", "t_start", "t_end", "merged", "allocs", "refills", "drains",
+               "remote_frees", "slow_ns", "os_calls", "minflt", "rss_bytes", "cached_bytes", "live_bytes",
+               "committed_bytes", "time_cost", "mem_cost", "cost", "mix")
+_MIGRATION = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+class StoreError(Exception):
+    """A store that cannot be used or written, with the reason in one line."""
+
+
+def migrations(directory=SCHEMA_DIR):
+    out = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise StoreError(f"cannot read the schema directory {directory}: {e.strerror}") from None
+    for n in names:
+        m = _MIGRATION.match(n)
+        if m:
+            out.append((int(m.group(1)), m.group(2), (pathlib.Path(directory) / n).read_text()))
+    if [v for v, _, _ in out] != list(range(1, len(out) + 1)):
+        raise StoreError(f"{directory}: migrations are not numbered 1..N without gaps")
+    return out
+
+
+def _why(e: sqlite3.Error, path) -> str:
+    msg = str(e)
+    if "locked" in msg or "busy" in msg:
+        return f"{path}: database is locked by another process"
+    if "readonly" in msg or "read-only" in msg:
+        return f"{path}: database is read-only"
+    if "malformed" in msg or "not a database" in msg:
+        return f"{path}: database is damaged ({msg})"
+    return f"{path}: {msg}"
+
+
+class Store:
+    def __init__(self, path, readonly=False, busy_ms=250, migrate=True):
+        self.path = str(path)
+        self.readonly = readonly
+        try:
+            if readonly:
+                if not os.path.exists(self.path):
+                    raise StoreError(f"{self.path}: no such database")
+                uri = f"file:{pathlib.Path(self.path).resolve()}?mode=ro"
+                self.db = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_ms / 1000)
+            else:
+                parent = os.path.dirname(os.path.abspath(self.path))
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+                self.db = sqlite3.connect(self.path, isolation_level=None, timeout=busy_ms / 1000)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
+            self.db.execute("PRAGMA foreign_keys = ON")
+            if not readonly:
+                if self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
+                    raise StoreError(f"{self.path}: cannot switch the database to WAL mode")
+                self.db.execute("PRAGMA synchronous = NORMAL")
+            self.db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.Error as e:
+            raise StoreError(_why(e, self.path)) from None
+        if migrate and not readonly:
+            self.migrate()
+        else:
+            self._check_version()
+
+    def close(self):
+        self.db.close()
+
+    # ---- schema -------------------------------------------------------------
+    def schema_version(self) -> int:
+        try:
+            row = self.db.execute("SELECT max(version) FROM schema_migrations").fetchone()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return 0
+            raise StoreError(_why(e, self.path)) from None
+        except sqlite3.Error as e:
+            raise StoreError(_why(e, self.path)) from None
+        return row[0] or 0
+
+    def _check_version(self):
+        have, known = self.schema_version(), len(migrations())
+        if have > known:
+            raise StoreError(f"{self.path}: schema version {have} is newer than this hakmem's ({known})")
+        if have < known:
+            raise StoreError(f"{self.path}: schema version {have} needs migrating to {known} "
+                             f"(hakmem-learnd does it at start)")
+
+    def migrate(self):
+        todo = migrations()
+        try:
+            self.db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
+                            "name TEXT NOT NULL, applied REAL NOT NULL)")
+        except sqlite3.Error as e:
+            raise StoreError(_why(e, self.path)) from None
+        have = self.schema_version()
+        if have > len(todo):
+            raise StoreError(f"{self.path}: schema version {have} is newer than this hakmem's ({len(todo)})")
+        for version, name, sql in todo[have:]:
+            # executescript would COMMIT on its own; statements one by one keep
+            # the migration and its record in one transaction.
+            with self.tx():
+                for stmt in _statements(sql):
+                    self.db.execute(stmt)
+                self.db.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (version, name, time.time()))
+
+    @contextlib.contextmanager
+    def tx(self):
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise StoreError(_why(e, self.path)) from None
+        try:
+            yield self.db
+        except sqlite3.Error as e:
+            self.db.execute("ROLLBACK")
+            raise StoreError(_why(e, self.path)) from None
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        try:
+            self.db.execute("COMMIT")
+        except sqlite3.Error as e:
+            with contextlib.suppress(sqlite3.Error):
+                self.db.execute("ROLLBACK")
+            raise StoreError(_why(e, self.path)) from None
+
+    def integrity_check(self) -> str:
+        return self.db.execute("PRAGMA integrity_check").fetchone()[0]
+
+    # ---- programs and processes ---------------------------------------------
+    def program(self, exe, build_id, class_sizes, now=None) -> int:
+        now = time.time() if now is None else now
+        with self.tx() as db:
+            row = db.execute("SELECT id FROM programs WHERE exe = ? AND build_id = ?", (exe, build_id)).fetchone()
+            if row:
+                db.execute("UPDATE programs SET last_seen = ? WHERE id = ?", (now, row[0]))
+                return row[0]
+            return db.execute("INSERT INTO programs (exe, build_id, first_seen, last_seen, class_sizes) "
+                              "VALUES (?, ?, ?, ?, ?)", (exe, build_id, now, now, json.dumps(list(class_sizes)))).lastrowid
+
+    def process(self, program_id, pid, start_time, uid, now=None) -> int:
+        now = time.time() if now is None else now
+        with self.tx() as db:
+            row = db.execute("SELECT id FROM processes WHERE pid = ? AND start_time = ?", (pid, start_time)).fetchone()
+            if row:
+                db.execute("UPDATE processes SET last_seen = ?, program_id = ? WHERE id = ?", (now, program_id, row[0]))
+                return row[0]
+            return db.execute("INSERT INTO processes (program_id, pid, start_time, uid, first_seen, last_seen) "
+                              "VALUES (?, ?, ?, ?, ?, ?)", (program_id, pid, start_time, uid, now, now)).lastrowid
+
+    def process_exited(self, process_id, now=None):
+        now = time.time() if now is None else now
+        with self.tx() as db:
+            db.execute("UPDATE processes SET exited = ?, last_seen = ? WHERE id = ?", (now, now, process_id))
+
+    def mark_unfinished_exited(self, now=None):
+        """At start: processes a previous learnd saw alive and never saw exit."""
+        now = time.time() if now is None else now
+        with self.tx() as db:
+            db.execute("UPDATE processes SET exited = last_seen WHERE exited IS NULL")
+
+    # ---- policies -----------------------------------------------------------
+    def policy(self, program_id, knobs, origin, note=None, now=None) -> int:
+        """The id of this program's policy with these knobs, stored if new."""
+        if origin not in ORIGINS:
+            raise StoreError(f"unknown policy origin {origin!r} ({', '.join(ORIGINS)})")
+        k = canonical(knobs)
+        d = digest(k)
+        now = time.time() if now is None else now
+        with self.tx() as db:
+            row = db.execute("SELECT id FROM policies WHERE program_id = ? AND digest = ?", (program_id, d)).fetchone()
+            if row:
+                return row[0]
+            v = db.execute("SELECT coalesce(max(version), 0) + 1 FROM policies WHERE program_id = ?",
+                           (program_id,)).fetchone()[0]
+            return db.execute("INSERT INTO policies (program_id, version, origin, knobs, digest, created, note) "
+                              "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                              (program_id, v, origin, json.dumps(k, separators=(",", ":")), d, now, note)).lastrowid
+
+    def set_best(self, program_id, policy_id, mix=None):
+        with self.tx() as db:
+            db.execute("UPDATE programs SET best_policy = ?, mix = coalesce(?, mix) WHERE id = ?",
+                       (policy_id, json.dumps([round(float(x), 5) for x in mix]) if mix is not None else None,
+                        program_id))
+
+    def pin(self, program_id, policy_id):
+        with self.tx() as db:
+            db.execute("UPDATE programs SET pinned_policy = ? WHERE id = ?", (policy_id, program_id))
+
+    def unpin(self, program_id):
+        with self.tx() as db:
+            db.execute("UPDATE programs SET pinned_policy = NULL WHERE id = ?", (program_id,))
+
+    # ---- samples and verdicts -----------------------------------------------
+    def add_windows(self, rows) -> int:
+        """rows: dicts with WINDOW_COLS keys (mix: a numpy array or None)."""
+        vals = []
+        for r in rows:
+            mix = r.get("mix")
+            vals.append(tuple((np.asarray(mix, dtype="<f4").tobytes() if mix is not None else None) if c == "mix"
+                              else r.get(c, 1 if c == "merged" else None) for c in WINDOW_COLS))
+        if not vals:
+            return 0
+        with self.tx() as db:
+            db.executemany(f"INSERT INTO windows ({', '.join(WINDOW_COLS)}) VALUES "
+                           f"({', '.join('?' * len(WINDOW_COLS))})", vals)
+        return len(vals)
+
+    def add_evaluation(self, program_id, policy_id, ev: Evaluation, learner, objective,
+                       baseline_policy_id=None) -> int:
+        """Stores a verdict and folds its windows into the policy's measured objective."""
+        with self.tx() as db:
+            eid = db.execute(
+                "INSERT INTO evaluations (program_id, policy_id, t_start, t_end, windows, cost_mean, cost_sd, "
+                "time_cost, mem_cost, baseline_policy_id, baseline_cost, verdict, learner, objective) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (program_id, policy_id, ev.t_start, ev.t_end, ev.windows, ev.cost_mean, ev.cost_sd, ev.time_cost,
+                 ev.mem_cost, baseline_policy_id, ev.baseline_cost, ev.verdict, learner, objective)).lastrowid
+            self._refresh_objective(db, policy_id, objective)
+            return eid
+
+    @staticmethod
+    def _refresh_objective(db, policy_id, objective):
+        # Pooled mean and sd over this objective's evaluations, weighted by windows.
+        rows = db.execute("SELECT windows, cost_mean, coalesce(cost_sd, 0) FROM evaluations "
+                          "WHERE policy_id = ? AND objective = ? AND windows > 0", (policy_id, objective)).fetchall()
+        n = sum(r[0] for r in rows)
+        if not n:
+            return
+        mean = sum(r[0] * r[1] for r in rows) / n
+        var = sum(r[0] * (r[2] ** 2 + (r[1] - mean) ** 2) for r in rows) / n
+        db.execute("UPDATE policies SET objective = ?, objective_sd = ?, evaluations = ? WHERE id = ?",
+                   (mean, var ** 0.5, n, policy_id))
+
+    def priors(self, program_id, objective) -> list[Prior]:
+        """Every policy measured under this objective, pooled (for a warm start)."""
+        out = []
+        for r in self.db.execute(
+                "SELECT p.knobs, sum(e.windows) AS n, sum(e.windows * e.cost_mean) / sum(e.windows) AS mean, "
+                "max(coalesce(e.cost_sd, 0)) AS sd FROM evaluations e JOIN policies p ON p.id = e.policy_id "
+                "WHERE e.program_id = ? AND e.objective = ? AND e.windows > 0 GROUP BY p.id",
+                (program_id, objective)):
+            out.append(Prior(knobs=json.loads(r["knobs"]), cost_mean=r["mean"], cost_sd=r["sd"], windows=r["n"]))
+        return out
+
+    # ---- retention ------------------------------------------------------------
+    def retain(self, now=None, raw_s=6 * 3600, bucket_s=60, keep_s=30 * 86400, max_rows=500_000) -> dict:
+        """Keeps the file bounded: raw windows older than raw_s are merged into
+        one row per process, policy and bucket_s; merged rows older than keep_s
+        are dropped, and so are the oldest rows past max_rows."""
+        now = time.time() if now is None else now
+        cut = now - raw_s
+        agg = ", ".join(f"sum({c} * merged) / sum(merged)" for c in WINDOW_COLS[5:-1])
+        with self.tx() as db:
+            before = db.execute("SELECT count(*) FROM windows").fetchone()[0]
+            db.execute(
+                f"CREATE TEMP TABLE merged_w AS SELECT process_id, policy_id, min(t_start) AS t_start, "
+                f"max(t_end) AS t_end, sum(merged) AS merged, {agg} FROM windows "
+                f"WHERE t_end < ? AND mix IS NOT NULL GROUP BY process_id, policy_id, "
+                f"CAST(t_end / ? AS INTEGER)", (cut, bucket_s))
+            db.execute("DELETE FROM windows WHERE t_end < ? AND mix IS NOT NULL", (cut,))
+            db.execute(f"INSERT INTO windows ({', '.join(WINDOW_COLS[:-1])}) SELECT * FROM merged_w")
+            db.execute("DROP TABLE merged_w")
+            db.execute("DELETE FROM windows WHERE t_end < ?", (now - keep_s,))
+            over = db.execute("SELECT count(*) FROM windows").fetchone()[0] - max_rows
+            if over > 0:
+                db.execute("DELETE FROM windows WHERE id IN (SELECT id FROM windows ORDER BY t_end LIMIT ?)", (over,))
+            after = db.execute("SELECT count(*) FROM windows").fetchone()[0]
+        return {"before": before, "after": after}
+
+    # ---- reads ----------------------------------------------------------------
+    def programs(self) -> list[dict]:
+        rows = self.db.execute(
+            "SELECT g.*, (SELECT count(*) FROM processes p WHERE p.program_id = g.id) AS processes_seen, "
+            "(SELECT count(*) FROM processes p WHERE p.program_id = g.id AND p.exited IS NULL) AS live "
+            "FROM programs g ORDER BY g.last_seen DESC").fetchall()
+        return [_program(r) for r in rows]
+
+    def program_by_id(self, program_id) -> dict | None:
+        r = self.db.execute("SELECT g.*, (SELECT count(*) FROM processes p WHERE p.program_id = g.id) AS "
+                            "processes_seen, (SELECT count(*) FROM processes p WHERE p.program_id = g.id AND "
+                            "p.exited IS NULL) AS live FROM programs g WHERE id = ?", (program_id,)).fetchone()
+        return _program(r) if r else None
+
+    def find_program(self, text) -> dict:
+        """A program named by id, key (exe@build_id), executable path or its base name."""
+        progs = self.programs()
+        if not progs:
+            raise StoreError("no program is known yet (learnd has not seen any process)")
+        t = str(text).strip()
+        for match in (lambda p: str(p["id"]) == t, lambda p: p["key"] == t, lambda p: p["exe"] == t,
+                      lambda p: os.path.basename(p["exe"]) == t, lambda p: p["key"].startswith(t)):
+            hits = [p for p in progs if match(p)]
+            if len(hits) == 1:
+                return hits[0]
+            if len(hits) > 1:
+                ids = ", ".join(f"{p['id']} ({p['key']})" for p in hits[:5])
+                raise StoreError(f"{t!r} names {len(hits)} programs: {ids}; name one by id or key")
+        raise StoreError(f"no program matches {t!r} (hakmem policy list shows the known ones)")
+
+    def processes(self, all=False) -> list[dict]:
+        q = ("SELECT p.*, g.exe, g.build_id, (SELECT count(*) FROM windows w WHERE w.process_id = p.id) AS windows "
+             "FROM processes p JOIN programs g ON g.id = p.program_id")
+        if not all:
+            q += " WHERE p.exited IS NULL"
+        return [dict(r) | {"program": f"{r['exe']}@{r['build_id']}"} for r in self.db.execute(q + " ORDER BY p.first_seen")]
+
+    def policies(self, program_id=None) -> list[dict]:
+        q = ("SELECT p.*, g.exe, g.build_id, g.best_policy = p.id AS best, g.pinned_policy = p.id AS pinned "
+             "FROM policies p JOIN programs g ON g.id = p.program_id")
+        args = ()
+        if program_id is not None:
+            q += " WHERE p.program_id = ?"
+            args = (program_id,)
+        return [_policy(r) for r in self.db.execute(q + " ORDER BY p.program_id, p.version", args)]
+
+    def policy_by_id(self, policy_id) -> dict | None:
+        r = self.db.execute("SELECT p.*, g.exe, g.build_id, g.best_policy = p.id AS best, g.pinned_policy = p.id "
+                            "AS pinned FROM policies p JOIN programs g ON g.id = p.program_id WHERE p.id = ?",
+                            (policy_id,)).fetchone()
+        return _policy(r) if r else None
+
+    def policy_by_version(self, program_id, version) -> dict:
+        r = self.db.execute("SELECT id FROM policies WHERE program_id = ? AND version = ?",
+                            (program_id, version)).fetchone()
+        if not r:
+            raise StoreError(f"program {program_id} has no policy version {version}")
+        return self.policy_by_id(r[0])
+
+    def chosen(self, program_id) -> dict | None:
+        """What a new process of the program gets: the pinned policy, else the best."""
+        r = self.db.execute("SELECT coalesce(pinned_policy, best_policy) FROM programs WHERE id = ?",
+                            (program_id,)).fetchone()
+        return self.policy_by_id(r[0]) if r and r[0] else None
+
+    def evaluations(self, program_id, limit=100) -> list[dict]:
+        return [dict(r) for r in self.db.execute(
+            "SELECT * FROM evaluations WHERE program_id = ? ORDER BY t_end DESC LIMIT ?", (program_id, limit))]
+
+    def windows_count(self) -> int:
+        return self.db.execute("SELECT count(*) FROM windows").fetchone()[0]
+
+
+def _program(r) -> dict:
+    d = dict(r)
+    d["key"] = f"{d['exe']}@{d['build_id']}"
+    d["class_sizes"] = json.loads(d["class_sizes"])
+    d["mix"] = json.loads(d["mix"]) if d.get("mix") else None
+    return d
+
+
+def _policy(r) -> dict:
+    d = dict(r)
+    d["knobs"] = json.loads(d["knobs"])
+    d["program"] = f"{d.pop('exe')}@{d.pop('build_id')}"
+    d["best"] = bool(d["best"])
+    d["pinned"] = bool(d["pinned"])
+    return d
+
+
+def _statements(sql):
+    """Splits a migration into statements (sqlite3.complete_statement knows
+    where one ends, semicolons in strings and comments included)."""
+    buf = ""
+    for line in sql.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            if buf.strip():
+                yield buf
+            buf = ""
+    if buf.strip() and not all(ln.strip().startswith("--") or not ln.strip() for ln in buf.splitlines()):
+        raise StoreError(f"unterminated statement in a migration: {buf.strip()[:60]!r}")

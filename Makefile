@@ -148,7 +148,7 @@ test: deps tests ## install what tests need, build, run every test (C, stress, r
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
 
 .PHONY: demo
-demo: deps lib venv ## build, then run python3 and sqlite3 with hakmem preloaded, show their statistics and a live telemetry file
+demo: deps lib venv $(BUILD)/learner/workload ## build, run python3 and sqlite3 preloaded, then hakmem-learnd tuning a preloaded workload, and show the learned policy
 	$(Q)tools/demo.sh $(BUILD)
 
 .PHONY: deps
@@ -156,6 +156,7 @@ deps: ## install the Debian packages the build and tests need (root, once)
 	$(Q)tools/install-deps.sh
 
 include bench/bench.mk
+include bench/learn.mk
 
 clean: ## remove build/ (and .venv with `make clean-all`)
 	$(Q)rm -rf $(BUILD)

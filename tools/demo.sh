@@ -50,4 +50,47 @@ echo "\$ hakmem ring dump $pid    # 4096 holds a whole burst: no refills, so no 
 .venv/bin/hakmem ring dump --dir "$SHM" "$pid"
 wait "$pid"
 echo
-echo "hakmem-learnd (the next milestone) does what set-policy did here, per program, from evidence."
+echo "== hakmem-learnd tuning a program it has never seen, then remembering it"
+# A private database and directories under build/, so the demo never touches
+# a real installation's /var/lib/hakmem or /dev/shm/hakmem.
+D=$(readlink -f "$BUILD")/demo
+rm -rf "$D"; mkdir -p "$D"
+LEARND=(.venv/bin/hakmem-learnd --foreground --db "$D/learn.db" --shm-dir "$D/shm" --run-dir "$D/run"
+        --sample-period 0.5)
+HK=(.venv/bin/hakmem --db "$D/learn.db" --run-dir "$D/run")
+"${LEARND[@]}" 2>"$D/learnd.log" &
+learnd=$!
+trap 'kill $learnd 2>/dev/null; rm -rf "$SHM"' EXIT
+for _ in $(seq 100); do grep -q "ready:" "$D/learnd.log" 2>/dev/null && break; sleep 0.2; done
+"${HK[@]}" events >"$D/events.log" 2>&1 &
+events=$!
+echo "\$ workload burst 64 4000 20   # bursts of 4000 64-byte blocks: the default 1024-block cache overflows"
+LD_PRELOAD="$LIB" HAKMEM_SHM_DIR="$D/shm" "$BUILD/learner/workload" burst 64 4000 20 >"$D/workload.out" &
+wl=$!
+sleep 8
+echo "\$ hakmem status"
+"${HK[@]}" status
+wait $wl
+sleep 1
+kill $events 2>/dev/null; wait $events 2>/dev/null
+echo
+echo "\$ hakmem events    # what learnd published while it ran"
+sed -n '1,25p' "$D/events.log"
+echo
+echo "\$ hakmem policy list workload"
+"${HK[@]}" policy list workload
+echo
+echo "\$ hakmem policy show workload    # the best policy, where it differs from the default"
+"${HK[@]}" policy show workload
+echo
+echo "\$ sqlite3 $D/learn.db 'SELECT ... FROM evaluations'"
+sqlite3 -header -column "$D/learn.db" "SELECT p.version, e.verdict, e.windows, printf('%.4f', e.cost_mean) AS cost,
+  printf('%.4f', e.baseline_cost) AS baseline FROM evaluations e JOIN policies p ON p.id = e.policy_id ORDER BY e.id"
+echo
+echo "\$ workload burst 64 4000 3   # the same program again: learnd applies its best policy at start"
+LD_PRELOAD="$LIB" HAKMEM_SHM_DIR="$D/shm" "$BUILD/learner/workload" burst 64 4000 3 >/dev/null
+sleep 1
+grep "warm_start" "$D/learnd.log" | tail -n 1
+kill $learnd; wait $learnd || true
+echo
+echo "learnd's own log: $D/learnd.log; its database: $D/learn.db (sqlite3 works on it)."

@@ -1,19 +1,26 @@
-"""The `hakmem` command. `hakmem ring ...` reads and writes telemetry files.
+"""The `hakmem` command. `hakmem ring ...` reads and writes telemetry files;
+`hakmem status|procs|policy|events` talk to hakmem-learnd over ZeroMQ
+(control.py), or read its database directly when it is not running (writes
+then go to the database too, and learnd applies a stored pin at its next
+start).
 
 Every failure prints one line, `hakmem: error: <why>`, and exits non-zero
 (2 for usage, 1 for everything else); data goes to stdout, with --json as
 one JSON document.
 """
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import time
 
-
 from . import __version__
 from . import layout as L
 from .ring import REJECT_REASONS, Ring, RingError, list_files, parse_assignment, resolve, window
+
+CLIENT_TIMEOUT_S = 5.0     # learnd answered a status already; a busy turn may still take a while
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,6 +31,10 @@ class _Parser(argparse.ArgumentParser):
 def _fail(msg, code=1):
     print(f"hakmem: error: {msg}", file=sys.stderr)
     return code
+
+
+class _Usage(Exception):
+    """A command line argparse cannot catch on its own (exit 2)."""
 
 
 def _kib(n):
@@ -225,6 +236,504 @@ def cmd_watch(args):
     return 0
 
 
+# ---- learnd: status, processes, policies, events ------------------------------
+def _import_learnd():
+    """The learnd commands' modules, imported by main() for them only: zmq,
+    protobuf and the store would cost every `hakmem ring` start (the tests
+    and the bench runner start many) about 0.1 s."""
+    global ClientBackend, Client, ControlError, StoreBackend, control_path, is_running, knobs_from_pb
+    global read_export, recv_event, subscribe, to_dict, default_db, default_run_dir, pb, Store, StoreError
+    from .config import default_db, default_run_dir
+    from .control import (ClientBackend, Client, ControlError, StoreBackend, control_path, is_running,
+                          knobs_from_pb, read_export, recv_event, subscribe, to_dict)
+    from ._pb import hakmem_pb2 as pb
+    from .store import Store, StoreError
+    return ControlError, StoreError
+
+
+@contextlib.contextmanager
+def _backend(args, write=False, create=False):
+    """(backend, running): learnd's when it answers, else the database's
+    (read-only unless write; create: a missing database is made)."""
+    run_dir = os.path.abspath(args.run_dir or default_run_dir())
+    if is_running(run_dir):
+        with Client(run_dir, timeout=CLIENT_TIMEOUT_S) as c:
+            yield ClientBackend(c), True
+        return
+    db = os.path.abspath(args.db or default_db())
+    if not create and not os.path.exists(db):
+        raise ControlError(f"no database at {db} (hakmem-learnd has not run yet, or use --db)")
+    store = Store(db, readonly=not write)
+    try:
+        yield StoreBackend(store, run_dir), False
+    finally:
+        store.close()
+
+
+def _out_json(data):
+    json.dump(data, sys.stdout)
+    print()
+
+
+def _base(key):
+    """A program key's executable base name (keys are exe@build_id)."""
+    return os.path.basename(key.rsplit("@", 1)[0]) or key
+
+
+def _when(t):
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _span(s):
+    s = max(0, int(s))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h"
+    if h:
+        return f"{h}h{m:02d}m"
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _origin(p):
+    return pb.Origin.Name(p.origin).lower() if p.origin in pb.Origin.values() else str(p.origin)
+
+
+def _objective(p):
+    if not p.has_objective:
+        return "not measured"
+    return f"{p.objective:.5g} ± {p.objective_sd:.2g} over {p.evaluations} windows"
+
+
+def _table(head, rows, indent="  "):
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for row in (head, *rows):
+        print((indent + "  ".join(str(x).rjust(w) for x, w in zip(row, widths))).rstrip())
+
+
+def _not_running_note(running, db):
+    if not running:
+        print(f"hakmem-learnd is not running; read from {db}")
+
+
+def cmd_status(args):
+    with _backend(args) as (b, running):
+        st = b.status()
+        progs = b.programs()
+    if args.json:
+        _out_json({"status": to_dict(st), "programs": [to_dict(p) for p in progs]})
+        return 0
+    if st.running:
+        print(f"hakmem-learnd {st.version} running, pid {st.pid}, up {_span(time.time() - st.started)}")
+        print(f"learner {st.learner or '?'}, exploration {'on' if st.exploration else 'off'}, objective "
+              f"{st.objective or '?'}, a window every {st.sample_period_s:g} s")
+        print(f"database {st.db_path}, {st.windows_stored} windows stored")
+        print(f"telemetry {st.shm_dir}, run dir {st.run_dir}")
+        print(f"{st.processes} live processes of {st.programs} programs")
+    else:
+        print(f"hakmem-learnd is not running; read from {st.db_path}")
+        print(f"{len(progs)} programs known, {st.windows_stored} windows stored, {st.processes} of their "
+              f"processes still running")
+    for w in st.warnings:
+        print(f"warning: {w}")
+    if progs:
+        rows = []
+        for p in progs:
+            rows.append((p.id, _base(p.key), p.live_processes, p.processes_seen, p.state or "-",
+                         f"v{p.pinned.version}" if p.HasField("pinned") else "-",
+                         f"v{p.best.version}" if p.HasField("best") else "-",
+                         f"{p.best.objective:.4g}" if p.HasField("best") and p.best.has_objective else "-",
+                         _when(p.last_seen)))
+        print()
+        _table(("id", "program", "live", "seen", "state", "pinned", "best", "best cost", "last seen"), rows)
+    return 0
+
+
+def cmd_procs(args):
+    with _backend(args) as (b, running):
+        procs = b.processes(args.all)
+        db = None if running else b.store.path
+    if args.json:
+        _out_json({"running": running, "processes": [to_dict(p) for p in procs]})
+        return 0
+    _not_running_note(running, db)
+    if not procs:
+        print("no process" + ("" if args.all else " running (--all shows exited ones)"))
+        return 0
+    if running:
+        rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), p.threads, f"{p.rss_bytes / 2**20:.1f}",
+                 f"{p.allocs_per_s:,.0f}", f"{p.cost:.4g}", p.applied_version, p.windows, _when(p.first_seen))
+                for p in procs]
+        _table(("pid", "state", "program", "threads", "rss MiB", "allocs/s", "cost", "policy", "windows",
+                "first seen"), rows)
+    else:
+        rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), p.uid, p.windows, _when(p.first_seen),
+                 _when(p.last_seen)) for p in procs]
+        _table(("pid", "state", "program", "uid", "windows", "first seen", "last seen"), rows)
+    return 0
+
+
+def _version_arg(text):
+    t = text[1:] if text[:1] in "vV" else text
+    if not t.isdigit() or int(t) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a policy version (1, 2, ... or v1, v2, ...)")
+    return int(t)
+
+
+def _program_of(b, key):
+    for p in b.programs():
+        if p.key == key:
+            return p
+    raise ControlError(f"program {key} is gone from the store")
+
+
+def _default_policy(policies):
+    d = [p for p in policies if p.origin == pb.DEFAULT]
+    return min(d, key=lambda p: p.version) if d else None
+
+
+def _flags(p):
+    return ", ".join(x for x, on in (("pinned", p.pinned), ("best", p.best)) if on)
+
+
+def cmd_policy_list(args):
+    with _backend(args) as (b, running):
+        pols = b.policies(args.program or "")
+        db = None if running else b.store.path
+    if args.json:
+        _out_json([to_dict(p) for p in pols])
+        return 0
+    _not_running_note(running, db)
+    if not pols:
+        print("no policy stored" + (f" for {args.program}" if args.program else ""))
+        return 0
+    by_prog: dict = {}
+    for p in pols:
+        by_prog.setdefault(p.program, []).append(p)
+    for i, (key, ps) in enumerate(by_prog.items()):
+        if i:
+            print()
+        print(key)
+        rows = [(f"v{p.version}", _origin(p), _flags(p) or "-",
+                 f"{p.objective:.5g}" if p.has_objective else "-",
+                 f"{p.objective_sd:.2g}" if p.has_objective else "-", p.evaluations, _when(p.created),
+                 p.note or "") for p in ps]
+        _table(("version", "origin", "", "cost", "sd", "windows", "created", "note"), rows)
+    return 0
+
+
+def _knob_rows(k, base, sizes, show_all):
+    """Rows class, size, cap, batch, warm: the classes whose knobs differ
+    from base (every class with show_all or without a base); a value that
+    differs is shown with base's in parentheses. Neighbouring classes with
+    the same cells share one row (classes 1-4, sizes 16-64)."""
+    rows, run = [], None
+    for c in range(1, L.NUM_CLASSES):
+        vals = [(k[n][c], base[n][c] if base else None) for n in L.KNOBS_PER_CLASS]
+        differs = any(b is not None and a != b for a, b in vals)
+        if not (show_all or differs or base is None):
+            run = None
+            continue
+        cells = tuple(f"{a} ({b})" if b is not None and a != b else str(a) for a, b in vals)
+        size = sizes[c] if c < len(sizes) else "?"
+        if run is not None and run[2] == cells and run[1] == c - 1:
+            run[1], run[4] = c, size
+        else:
+            run = [c, c, cells, size, size]
+            rows.append(run)
+    return [(f"{r[0]}" if r[0] == r[1] else f"{r[0]}-{r[1]}", f"{r[3]}" if r[0] == r[1] else f"{r[3]}-{r[4]}",
+             *r[2]) for r in rows]
+
+
+def cmd_policy_show(args):
+    with _backend(args) as (b, running):
+        p = b.policy(args.program, args.version or 0)
+        prog = _program_of(b, p.program)
+        default = _default_policy(b.policies(p.program))
+    if args.json:
+        _out_json(to_dict(p))
+        return 0
+    k = knobs_from_pb(p.knobs)
+    base = knobs_from_pb(default.knobs) if default and default.version != p.version else None
+    flags = _flags(p)
+    print(f"{p.program}  v{p.version} {_origin(p)}{f' ({flags})' if flags else ''}")
+    print(f"cost {_objective(p)}; created {_when(p.created)}")
+    if p.note:
+        print(f"note: {p.note}")
+    drain = f"drain_ms {k['drain_ms']}"
+    if base and base["drain_ms"] != k["drain_ms"]:
+        drain += f" (default v{default.version}: {base['drain_ms']})"
+    print(drain)
+    rows = _knob_rows(k, base, list(prog.class_size), args.all)
+    if default is None:
+        print("(no default policy stored for this program: every class shown)")
+    elif default.version == p.version and not args.all:
+        print("this is the program's default policy; --all shows every class")
+        return 0
+    elif not rows:
+        print(f"every class as in the default policy v{default.version}; --all shows them")
+        return 0
+    elif base:
+        print(f"classes that differ from the default policy v{default.version} (its value in parentheses)"
+              f"{'' if args.all else '; --all shows every class'}:")
+    _table(("class", "size", "tcache_cap", "tcache_batch", "warm_slabs"), rows)
+    return 0
+
+
+def cmd_policy_diff(args):
+    with _backend(args) as (b, running):
+        a = b.policy(args.program, args.v1)
+        c = b.policy(args.program, args.v2 or 0)
+        prog = _program_of(b, a.program)
+    ka, kc = knobs_from_pb(a.knobs), knobs_from_pb(c.knobs)
+    sizes = list(prog.class_size)
+    changes = []
+    if ka["drain_ms"] != kc["drain_ms"]:
+        changes.append({"knob": "drain_ms", "class": None, "size": None, "old": ka["drain_ms"], "new": kc["drain_ms"]})
+    for cl in range(L.NUM_CLASSES):
+        for n in L.KNOBS_PER_CLASS:
+            if ka[n][cl] != kc[n][cl]:
+                changes.append({"knob": n, "class": cl, "size": sizes[cl] if cl < len(sizes) else None,
+                                "old": ka[n][cl], "new": kc[n][cl]})
+    if args.json:
+        _out_json({"program": a.program, "from": to_dict(a), "to": to_dict(c), "changes": changes})
+        return 0
+    fa, fc = _flags(a), _flags(c)
+    print(f"{a.program}: v{a.version} ({_origin(a)}{', ' + fa if fa else ''}) -> "
+          f"v{c.version} ({_origin(c)}{', ' + fc if fc else ''})")
+    if not changes:
+        print("no difference")
+        return 0
+    line, cur = [], None
+    for ch in changes:
+        if ch["class"] is None:
+            print(f"drain_ms {ch['old']} -> {ch['new']}")
+            continue
+        if ch["class"] != cur:
+            if line:
+                print(", ".join(line))
+            cur = ch["class"]
+            line = [f"class {cur} ({ch['size']} B): {ch['knob']} {ch['old']} -> {ch['new']}"]
+        else:
+            line.append(f"{ch['knob']} {ch['old']} -> {ch['new']}")
+    if line:
+        print(", ".join(line))
+    ncls = len({ch["class"] for ch in changes if ch["class"] is not None})
+    print(f"{len(changes)} changes in {ncls} classes")
+    return 0
+
+
+def _applied_when(running):
+    return "hakmem-learnd applies it now" if running else "hakmem-learnd applies it when it next starts"
+
+
+def cmd_policy_pin(args):
+    if args.version and args.assignments:
+        raise _Usage("give a VERSION or --set, not both")
+    if not args.version and not args.assignments:
+        raise _Usage("give a VERSION to pin, or --set key=value ... for new knobs")
+    with _backend(args, write=True) as (b, running):
+        if args.version:
+            p = b.pin(args.program, args.version, None, args.note or "")
+        else:
+            pols = b.policies(args.program)
+            start = (next((x for x in pols if x.pinned), None) or next((x for x in pols if x.best), None)
+                     or _default_policy(pols))
+            if start is None:
+                raise ControlError(f"{args.program} has no stored policy to start from (learnd stores the "
+                                   f"default when it first sees the program); pin a version")
+            prog = _program_of(b, start.program)
+            knobs = knobs_from_pb(start.knobs)
+            for a in args.assignments:
+                parse_assignment(knobs, a, {"class_size": list(prog.class_size)})
+            note = args.note or f"v{start.version} with {' '.join(args.assignments)}"
+            p = b.pin(args.program, 0, knobs, note)
+    if args.json:
+        _out_json(to_dict(p))
+    else:
+        print(f"pinned v{p.version} ({_origin(p)}) of {p.program}; {_applied_when(running)}")
+    return 0
+
+
+def cmd_policy_unpin(args):
+    with _backend(args, write=True) as (b, running):
+        msg = b.unpin(args.program)
+    if not running and msg.startswith("unpinned"):
+        msg += "; hakmem-learnd learns again when it next starts"
+    if args.json:
+        _out_json({"message": msg})
+    else:
+        print(msg)
+    return 0
+
+
+def cmd_policy_export(args):
+    if args.output == "-" and sys.stdout.isatty():
+        raise _Usage("the policy file is binary: not written to a terminal (use -o FILE)")
+    with _backend(args) as (b, running):
+        f = b.export(args.program, args.version or 0)
+    data = f.SerializeToString()
+    if args.output == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return 0
+    tmp = f"{args.output}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+        os.replace(tmp, args.output)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ControlError(f"cannot write {args.output}: {e.strerror}") from None
+    print(f"exported v{f.policy.version} ({_origin(f.policy)}) of {f.exe}@{f.build_id} to {args.output}")
+    return 0
+
+
+def cmd_policy_import(args):
+    try:
+        if args.file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.file, "rb") as f:
+                data = f.read()
+    except OSError as e:
+        raise ControlError(f"cannot read {args.file}: {e.strerror}") from None
+    f = read_export(data, args.file)
+    with _backend(args, write=True, create=True) as (b, running):
+        p = b.import_(f, args.pin)
+    if args.json:
+        _out_json(to_dict(p))
+    else:
+        print(f"imported as v{p.version} ({_origin(p)}) of {p.program}"
+              + (f"; pinned: {_applied_when(running)}" if args.pin else ""))
+    return 0
+
+
+def cmd_events(args):
+    run_dir = os.path.abspath(args.run_dir or default_run_dir())
+    if not is_running(run_dir):
+        return _fail(f"hakmem-learnd is not running on {run_dir} (events come from a running learnd only)")
+    sub = subscribe(run_dir, args.kind or ())
+    n = 0
+    try:
+        while args.count == 0 or n < args.count:
+            ev = recv_event(sub, timeout=1.0)
+            if ev is None:
+                if not os.path.exists(control_path(run_dir)):
+                    return _fail("hakmem-learnd stopped")
+                continue
+            n += 1
+            if args.json:
+                print(json.dumps(to_dict(ev)), flush=True)
+            else:
+                print(f"{time.strftime('%H:%M:%S', time.localtime(ev.time))} {ev.kind} "
+                      f"{_base(ev.program) if ev.program else '-'} {ev.pid or '-'} {ev.message}", flush=True)
+    finally:
+        sub.close()
+    return 0
+
+
+def _learnd_parent():
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="hakmem-learnd's run directory (default $HAKMEM_RUN_DIR, else "
+                        "$XDG_RUNTIME_DIR/hakmem, /tmp/hakmem-UID or /run/hakmem for root)")
+    p.add_argument("--db", metavar="PATH",
+                   help="the database, read when hakmem-learnd is not running (default $HAKMEM_DB, else "
+                        "$XDG_STATE_HOME/hakmem/learn.db or /var/lib/hakmem/learn.db for root)")
+    return p
+
+
+def _json_arg(p, what="print it as JSON"):
+    p.add_argument("--json", action="store_true", help=what)
+
+
+def _add_learnd_commands(sub):
+    common = _learnd_parent()
+    prog_help = "a program: its id, key (exe@build_id), executable path or base name"
+
+    st = sub.add_parser("status", parents=[common], help="hakmem-learnd's state and the programs it knows",
+                        description="Asks hakmem-learnd; when it is not running, reads its database.")
+    _json_arg(st)
+    st.set_defaults(func=cmd_status)
+
+    pr = sub.add_parser("procs", parents=[common], help="the processes hakmem-learnd tracks",
+                        description="Live figures from hakmem-learnd; when it is not running, the processes "
+                                    "its database records (alive: the same pid and start time still run).")
+    pr.add_argument("--all", action="store_true", help="exited processes too")
+    _json_arg(pr)
+    pr.set_defaults(func=cmd_procs)
+
+    pol = sub.add_parser("policy", help="list, show, compare, pin, export and import programs' policies")
+    ps = pol.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    ps.required = True
+
+    li = ps.add_parser("list", parents=[common], help="the stored policies (of one program, or all)")
+    li.add_argument("program", nargs="?", metavar="PROGRAM", help=prog_help)
+    _json_arg(li)
+    li.set_defaults(func=cmd_policy_list)
+
+    sh = ps.add_parser("show", parents=[common], help="one policy's knobs",
+                       description="Shows the classes whose knobs differ from the program's default policy.")
+    sh.add_argument("program", metavar="PROGRAM", help=prog_help)
+    sh.add_argument("version", nargs="?", type=_version_arg, metavar="VERSION",
+                    help="default: the pinned policy, else the best")
+    sh.add_argument("--all", action="store_true", help="every class")
+    _json_arg(sh)
+    sh.set_defaults(func=cmd_policy_show)
+
+    di = ps.add_parser("diff", parents=[common], help="what changes between two policies of a program")
+    di.add_argument("program", metavar="PROGRAM", help=prog_help)
+    di.add_argument("v1", type=_version_arg, metavar="V1")
+    di.add_argument("v2", nargs="?", type=_version_arg, metavar="V2", help="default: the pinned policy, else the best")
+    _json_arg(di)
+    di.set_defaults(func=cmd_policy_diff)
+
+    pi = ps.add_parser("pin", parents=[common], help="make hakmem-learnd apply one policy and stop exploring",
+                       description="Pins a stored VERSION, or new knobs: --set starts from the program's pinned "
+                                   "(else best, else default) policy. Keys as in `hakmem ring set-policy`: "
+                                   "drain_ms=MS; tcache_cap, tcache_batch, warm_slabs as KNOB=N (every class), "
+                                   "KNOB[CLASS]=N, or KNOB@SIZE=N.")
+    pi.add_argument("program", metavar="PROGRAM", help=prog_help)
+    pi.add_argument("version", nargs="?", type=_version_arg, metavar="VERSION")
+    pi.add_argument("--set", nargs="+", action="extend", dest="assignments", metavar="KEY=VALUE")
+    pi.add_argument("--note", help="a note stored with new knobs")
+    _json_arg(pi)
+    pi.set_defaults(func=cmd_policy_pin)
+
+    un = ps.add_parser("unpin", parents=[common], help="let hakmem-learnd learn the program's policy again")
+    un.add_argument("program", metavar="PROGRAM", help=prog_help)
+    _json_arg(un)
+    un.set_defaults(func=cmd_policy_unpin)
+
+    ex = ps.add_parser("export", parents=[common], help="write a policy to a file (protobuf PolicyExport)")
+    ex.add_argument("program", metavar="PROGRAM", help=prog_help)
+    ex.add_argument("version", nargs="?", type=_version_arg, metavar="VERSION",
+                    help="default: the pinned policy, else the best")
+    ex.add_argument("-o", "--output", required=True, metavar="FILE", help="the file to write (-: stdout)")
+    ex.set_defaults(func=cmd_policy_export)
+
+    im = ps.add_parser("import", parents=[common], help="store a policy from a file made by `policy export`",
+                       description="The program is matched by executable and build id (and made if new); "
+                                   "a file whose class table differs from the program's is refused. Without "
+                                   "hakmem-learnd running, the database is written (and made if missing).")
+    im.add_argument("file", metavar="FILE", help="the policy file (-: stdin)")
+    im.add_argument("--pin", action="store_true", help="pin it too")
+    _json_arg(im)
+    im.set_defaults(func=cmd_policy_import)
+
+    ev = sub.add_parser("events", parents=[common], help="follow hakmem-learnd's events",
+                        description="One line per event: time, kind, program, pid, message. Needs a "
+                                    "running hakmem-learnd.")
+    ev.add_argument("--count", type=int, default=0, metavar="N", help="stop after N events (default: never)")
+    ev.add_argument("--kind", action="append", metavar="K",
+                    help="only events whose kind starts with K (repeatable), e.g. policy_ or process_started")
+    _json_arg(ev, "one JSON object per event")
+    ev.set_defaults(func=cmd_events)
+
+
 def build_parser():
     p = _Parser(prog="hakmem", description="hakmem: inspect and steer programs that use libhakmem.")
     p.add_argument("--version", action="version", version=f"hakmem {__version__}")
@@ -265,14 +774,21 @@ def build_parser():
     w.add_argument("--count", type=int, default=0, help="stop after N rounds (default: at SIGTERM)")
     w.add_argument("--json", action="store_true", help="one JSON line per sample")
     w.set_defaults(func=cmd_watch)
+
+    _add_learnd_commands(sub)
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    errors: tuple = (RingError,)
+    if args.command != "ring":
+        errors += _import_learnd()
     try:
         return args.func(args)
-    except RingError as e:
+    except _Usage as e:
+        return _fail(f"{e} (see --help)", 2)
+    except errors as e:
         return _fail(str(e))
     except BrokenPipeError:
         return 1

@@ -117,6 +117,14 @@ class Window:
     time_cost: float
     mem_cost: float
     cost: float
+    cpu: float = 0.0             # the processes' CPU use, cores (/proc utime+stime): a busy window
+                                 # without any slow path is evidence that the policy in force
+                                 # served every call from the caches, not an idle program
+
+    @property
+    def busy(self) -> bool:
+        """Some process ran a slow path, or used at least 5% of a core."""
+        return self.active or self.cpu >= 0.05
 
     @property
     def seconds(self) -> float:

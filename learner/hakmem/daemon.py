@@ -1,0 +1,850 @@
+"""hakmem-learnd: watches every process that publishes hakmem telemetry and
+tunes each program's allocator policy from evidence, and remembers.
+
+SYNCHRONIZATION AND LIFE CYCLE
+ 1. One thread, one loop (`Daemon.turn`). Signal handlers only set a flag; the
+    loop looks at it once per turn. Periodic tasks keep their own deadlines:
+    discovery (every discover_period), sampling (every sample_period),
+    retention (every retain_every). Between deadlines the loop waits on the
+    control socket, so requests are answered at once.
+ 2. A process is tracked from its telemetry file's appearance to its death.
+    Its program (executable + build, identity.py) owns the learner. A new
+    process of a program gets the program's policy at once: the one its live
+    siblings run, else the pinned one, else the best stored (warm start).
+ 3. Every `sample_period` each live process gives one window (record deltas
+    from its ring, faults and resident memory from /proc); a program's
+    windows are summed and given to its learner, whose decision is written
+    into every live process's policy snapshot. A window counts as evidence
+    for a policy only when every process had confirmed it (applied_version)
+    before the window began (learning.Window.knobs).
+ 4. Everything for the store goes through `Writes`, a queue applied in order:
+    when the database is locked, read-only or full, rows wait in memory and
+    are written when it can be written again. Nothing sampled is lost but
+    the window being sampled when learnd is killed.
+ 5. The shared-memory directory is sticky and world-writable (like /tmp) so
+    every user's services can publish; a file is believed only when its owner
+    owns the live process it names (ring.Ring).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import stat
+import sys
+import time
+
+import numpy as np
+
+from . import __version__
+from . import layout as L
+from .config import Config, ConfigError, load
+from .identity import program_identity
+from .learning import Context, Decision, Evaluation, Window, canonical, same
+from .objective import Prices, default_objective, proc_rss, proc_stat, time_cost
+from .ring import Ring, RingError, proc_start_time
+from .store import Store, StoreError
+
+_NAME_OK = __import__("re").compile(r"^(\d+)-(\d+)$")
+PENDING_MAX = 200_000          # rows kept in memory while the store cannot be written
+
+
+class Log:
+    """One line per event on stderr: timestamped with --foreground, else
+    with a syslog priority prefix that journald reads (sd-daemon(3))."""
+    PRIO = {"error": 3, "warning": 4, "info": 6, "debug": 7}
+
+    def __init__(self, foreground: bool, stream=None, verbose=False):
+        self.foreground = foreground
+        self.stream = stream or sys.stderr
+        self.verbose = verbose
+
+    def __call__(self, level: str, msg: str):
+        if level == "debug" and not self.verbose:
+            return
+        if self.foreground:
+            line = f"{time.strftime('%H:%M:%S')} hakmem-learnd: {level if level != 'info' else ''}{': ' if level != 'info' else ''}{msg}"
+        else:
+            line = f"<{self.PRIO[level]}>{msg}"
+        try:
+            print(line, file=self.stream, flush=True)
+        except (OSError, ValueError):
+            pass
+
+
+class Writes:
+    """The store's write queue (point 4). Each op is a callable(store) that
+    is idempotent or runs once; ops run in order and stop at the first failure."""
+
+    def __init__(self, store: Store, log: Log):
+        self.store = store
+        self.log = log
+        self.ops: list = []
+        self.failing: str | None = None
+        self.dropped = 0
+
+    def add(self, op):
+        self.ops.append(op)
+        if len(self.ops) > PENDING_MAX:
+            self.ops.pop(0)
+            self.dropped += 1
+
+    def flush(self) -> bool:
+        done = 0
+        try:
+            for op in self.ops:
+                op(self.store)
+                done += 1
+        except StoreError as e:
+            del self.ops[:done]
+            if self.failing != str(e):
+                self.log("warning", f"{e}: keeping {len(self.ops)} writes in memory and retrying")
+            self.failing = str(e)
+            return False
+        del self.ops[:done]
+        if self.failing:
+            self.log("info", f"database writable again: {done} pending writes stored")
+            self.failing = None
+        return True
+
+
+@dataclasses.dataclass
+class Proc:
+    path: str
+    ring: Ring
+    pid: int
+    start_time: int
+    uid: int
+    program: "Program"
+    first_seen: float
+    process_id: int | None = None
+    prev_rec: object = None          # the record the current window starts from
+    prev_stat: dict | None = None
+    rss_sum: float = 0.0
+    rss_n: int = 0
+    written_version: int = 0         # the last snapshot we published
+    written_knobs: dict | None = None
+    confirmed_at: float | None = None  # when the allocator was seen applying written_knobs
+    rejected: int = 0
+    windows: int = 0
+    last_cost: float = 0.0
+    last_allocs: float = 0.0
+    last_rss: float = 0.0
+    threads: int = 0
+
+
+@dataclasses.dataclass
+class Program:
+    key: str
+    exe: str
+    build_id: str
+    header: dict
+    program_id: int | None = None
+    default: dict | None = None
+    learner: object = None
+    learner_name: str = ""
+    objective: object = None
+    ctx: Context | None = None
+    target: dict | None = None       # the knobs learnd wants in force
+    target_origin: str = "default"
+    pinned: bool = False
+    procs: dict = dataclasses.field(default_factory=dict)   # path -> Proc
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+    last_window: Window | None = None
+
+    @property
+    def class_size(self):
+        return self.header["class_size"]
+
+
+class Daemon:
+    def __init__(self, cfg: Config, log: Log, store: Store, clock=time, prices: Prices | None = None):
+        self.cfg = cfg
+        self.log = log
+        self.store = store
+        self.clock = clock
+        self.prices = prices or Prices()
+        self.writes = Writes(store, log)
+        self.programs: dict[str, Program] = {}
+        self.procs: dict[str, Proc] = {}
+        self.ignored: dict[str, tuple] = {}   # path -> (mtime, size) when we last logged why
+        self.stop_requested = False
+        self.started = clock.time()
+        self.next_discover = self.next_sample = 0.0
+        self.next_retain = clock.monotonic() + cfg.retain_every
+        self.window_start = clock.monotonic()
+        self.rep = self.pub = self.zctx = None
+        self.turns = 0
+        from .learners import LEARNERS   # here: learners import scikit-learn, which is slow to load
+        self.learners = LEARNERS
+        if cfg.learner not in LEARNERS:
+            raise ConfigError(f"unknown learner {cfg.learner!r} (known: {', '.join(sorted(LEARNERS))})")
+
+    # ---- start and stop ---------------------------------------------------------
+    def prepare_dirs(self):
+        d = self.cfg.shm_dir
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the telemetry directory {d}: {e.strerror}") from None
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{d} is not a directory")
+        if st.st_uid not in (0, os.geteuid()):
+            raise ConfigError(f"{d} is owned by uid {st.st_uid}, not by root or us: refusing to trust it")
+        if os.geteuid() == 0:
+            want = 0o1777       # every user's services publish here; sticky: none removes another's file
+        else:
+            want = stat.S_IMODE(st.st_mode) | 0o700
+        if stat.S_IMODE(st.st_mode) != want and st.st_uid == os.geteuid():
+            os.chmod(d, want)
+        elif stat.S_IMODE(st.st_mode) & 0o002 and not st.st_mode & stat.S_ISVTX:
+            raise ConfigError(f"{d} is world-writable without the sticky bit: refusing to use it")
+
+    def open_endpoints(self):
+        import zmq
+        from . import control
+        self.zctx = zmq.Context()
+        self.rep, self.pub = control.bind(self.zctx, self.cfg.run_dir)
+        self.backend = _live_backend(self)
+
+    def close(self):
+        for prog in self.programs.values():
+            self._flush_learner(prog)
+        for p in list(self.procs.values()):
+            p.ring.close()
+        self.procs.clear()
+        self.writes.flush()
+        if self.zctx is not None:
+            for s in (self.rep, self.pub):
+                s.close(linger=0)
+            self.zctx.term()
+            from . import control
+            for path in (control.control_path(self.cfg.run_dir), control.events_path(self.cfg.run_dir)):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    # ---- events ---------------------------------------------------------------
+    def event(self, kind, message, prog: Program | None = None, pid=0, level="info", knobs=None,
+              cost=None, baseline=None):
+        where = f"{os.path.basename(prog.exe)}" if prog else ""
+        if pid:
+            where += f"[{pid}]"
+        self.log(level, f"{kind} {where}: {message}" if where else f"{kind}: {message}")
+        if self.pub is None:
+            return
+        from . import control
+        from ._pb import hakmem_pb2 as pb
+        ev = pb.Event(time=self.clock.time(), kind=kind, program=prog.key if prog else "", pid=pid,
+                      message=message)
+        if knobs is not None:
+            ev.policy.knobs.CopyFrom(control.knobs_to_pb(knobs))
+            ev.policy.program = prog.key if prog else ""
+        if cost is not None:
+            ev.has_cost = True
+            ev.cost = cost
+            ev.baseline_cost = baseline if baseline is not None else 0.0
+        try:
+            control.publish(self.pub, ev)
+        except Exception as e:    # a full or broken PUB socket must not stop learning
+            self.log("debug", f"publish failed: {e}")
+
+    # ---- discovery ------------------------------------------------------------
+    def discover(self, now_mono):
+        d = self.cfg.shm_dir
+        try:
+            names = os.listdir(d)
+        except OSError as e:
+            self.log("error", f"cannot list {d}: {e.strerror}")
+            return
+        present = set()
+        for n in names:
+            m = _NAME_OK.match(n)
+            if not m:
+                continue
+            path = os.path.join(d, n)
+            present.add(path)
+            if path in self.procs:
+                continue
+            pid, start = int(m.group(1)), int(m.group(2))
+            if proc_start_time(pid) != start:
+                self._remove_stale(path, pid)
+                continue
+            self._track(path, pid, now_mono)
+        for path in [p for p in self.procs if p not in present]:
+            self._gone(self.procs[path], "its telemetry file was removed")
+        for path in [p for p in self.ignored if p not in present]:
+            del self.ignored[path]
+
+    def _ignore(self, path, why):
+        try:
+            st = os.lstat(path)
+            sig = (st.st_mtime_ns, st.st_size, st.st_uid)
+        except OSError:
+            return
+        if self.ignored.get(path) != sig:
+            self.ignored[path] = sig
+            self.event("ignored_file", f"{os.path.basename(path)}: {why}", level="warning")
+
+    def _remove_stale(self, path, pid):
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                self._ignore(path, "not a regular file")
+                return
+            os.unlink(path)
+            self.log("info", f"removed stale telemetry file {os.path.basename(path)} (process {pid} is gone)")
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._ignore(path, f"stale, but cannot be removed: {e.strerror}")
+
+    def _track(self, path, pid, now_mono):
+        try:
+            with open(path, "rb") as f:
+                if f.read(8) != L.MAGIC:
+                    # Being created (the magic is stored last) or not ours:
+                    # look again later, and say so once it has stayed that way.
+                    if time.time() - os.fstat(f.fileno()).st_mtime > 2.0:
+                        self._ignore(path, "not a hakmem telemetry file (bad magic)")
+                    return
+            ring = Ring(path, writable=True)
+        except RingError as e:
+            self._ignore(path, str(e).split(": ", 1)[-1])
+            return
+        except OSError as e:
+            self._ignore(path, e.strerror or str(e))
+            return
+        if not ring.alive:
+            ring.close()
+            return
+        ident = program_identity(pid)
+        if ident is None:
+            ring.close()
+            self._ignore(path, f"cannot read /proc/{pid}/exe")
+            return
+        exe, build_id = ident
+        try:
+            header = ring.header()
+            in_force = ring.policy_in_force()
+        except RingError as e:
+            ring.close()
+            self._ignore(path, str(e))
+            return
+        key = f"{exe}@{build_id}"
+        now = self.clock.time()
+        prog = self.programs.get(key)
+        fresh = prog is None
+        if prog is None:
+            prog = Program(key=key, exe=exe, build_id=build_id, header=header, first_seen=now)
+            self.programs[key] = prog
+        elif list(prog.header["class_size"]) != list(header["class_size"]):
+            ring.close()
+            self._ignore(path, "its class table differs from the program's other processes")
+            return
+        prog.last_seen = now
+        p = Proc(path=path, ring=ring, pid=pid, start_time=ring.start_time, uid=header["uid"], program=prog,
+                 first_seen=now)
+        p.prev_rec = ring.latest()
+        p.prev_stat = proc_stat(pid)
+        # What it runs now counts as confirmed: a later write replaces it.
+        p.written_knobs, p.confirmed_at = canonical(in_force), now_mono
+        self.procs[path] = p
+        was_idle = not prog.procs
+        prog.procs[path] = p
+        self.ignored.pop(path, None)
+        self._register(prog, p, in_force if header["applied_version"] == 0 else None, fresh)
+        if was_idle:
+            self._activate(prog, p)
+        elif prog.target is not None:
+            self._write(p, prog.target)
+        self.event("process_started", f"{exe} (program {'new' if fresh else 'known'}; "
+                                      f"{len(prog.procs)} live)", prog, pid)
+
+    def _register(self, prog: Program, p: Proc, default_knobs, fresh):
+        """Program and process rows; the default policy the first time one is seen."""
+        if default_knobs is not None and prog.default is None:
+            prog.default = canonical(default_knobs)
+        exe, build_id, sizes = prog.exe, prog.build_id, list(prog.class_size)
+        start, uid, pid = p.start_time, p.uid, p.pid
+
+        def op(store: Store):
+            if prog.program_id is None:
+                prog.program_id = store.program(exe, build_id, sizes)
+            if p.process_id is None:
+                p.process_id = store.process(prog.program_id, pid, start, uid)
+        self.writes.add(op)
+        if prog.default is not None:
+            knobs = prog.default
+            self.writes.add(lambda s: s.policy(prog.program_id, knobs, "default"))
+        self.writes.flush()
+
+    def _stored_default(self, prog: Program):
+        if prog.program_id is None:
+            return None
+        try:
+            for pol in self.store.policies(prog.program_id):
+                if pol["origin"] == "default":
+                    return pol["knobs"]
+        except Exception:
+            return None
+        return None
+
+    def _objective_for(self, prog: Program, pid):
+        over = self.cfg.for_program(prog.exe)
+        if over.objective is not None:
+            return over.objective
+        if self.cfg.objective_explicit:
+            return self.cfg.objective
+        return default_objective(pid, self.cfg.objective)
+
+    def _activate(self, prog: Program, p: Proc):
+        """The first live process of a program (again): start its learner from
+        the best stored policy and what was measured before (warm start)."""
+        if prog.default is None:
+            prog.default = self._stored_default(prog) or canonical(p.ring.policy_in_force())
+        over = self.cfg.for_program(prog.exe)
+        prog.objective = self._objective_for(prog, p.pid)
+        explore = self.cfg.explore if over.explore is None else over.explore
+        name = over.learner or self.cfg.learner
+        chosen = None
+        try:
+            if prog.program_id is not None:
+                chosen = self.store.chosen(prog.program_id)
+        except Exception as e:
+            self.log("warning", f"cannot read the stored policy of {prog.exe}: {e}")
+        prog.pinned = bool(chosen and chosen["pinned"])
+        if prog.pinned:
+            name, explore = "static", False
+        if name not in self.learners:
+            self.log("warning", f"{prog.exe}: unknown learner {name!r}, using {self.cfg.learner}")
+            name = self.cfg.learner
+        prog.learner_name = name
+        prog.learner = self.learners[name]()
+        prog.ctx = Context.from_header(prog.key, prog.header, prog.default, prog.objective,
+                                       sample_period_s=self.cfg.sample_period, explore=explore)
+        incumbent = chosen["knobs"] if chosen else prog.default
+        history = []
+        try:
+            if prog.program_id is not None and not prog.pinned:
+                history = self.store.priors(prog.program_id, prog.objective.describe())
+        except Exception as e:
+            self.log("warning", f"cannot read the history of {prog.exe}: {e}")
+        if chosen:
+            self._set_target(prog, chosen["knobs"], chosen["origin"])
+            self.event("warm_start", f"policy v{chosen['version']} ({chosen['origin']}"
+                                     f"{', pinned' if prog.pinned else ''}) applied at start; "
+                                     f"{len(history)} policies measured before", prog, p.pid, knobs=chosen["knobs"])
+        dec = prog.learner.start(prog.ctx, incumbent, history)
+        if dec is not None:
+            self._decide(prog, dec)
+        elif prog.target is None:
+            prog.target = prog.default
+            prog.target_origin = "default"
+
+    # ---- applying policies ------------------------------------------------------
+    def _write(self, p: Proc, knobs) -> bool:
+        if same(p.written_knobs, knobs):
+            return True
+        try:
+            v = p.ring.write_policy(knobs)
+        except RingError as e:
+            self.event("error", f"cannot write its policy: {e}", p.program, p.pid, level="warning")
+            return False
+        p.written_version, p.written_knobs, p.confirmed_at = v, canonical(knobs), None
+        self._confirm(p, self.clock.monotonic())
+        return True
+
+    def _set_target(self, prog: Program, knobs, origin):
+        prog.target = canonical(knobs)
+        prog.target_origin = origin
+        for p in prog.procs.values():
+            self._write(p, prog.target)
+
+    def _confirm(self, p: Proc, now_mono):
+        if p.written_version == 0 or p.confirmed_at is not None:
+            return
+        try:
+            s = p.ring.status()
+        except Exception:
+            return
+        if s["applied_version"] >= p.written_version:
+            p.confirmed_at = now_mono
+        elif s["seen_version"] >= p.written_version and p.rejected != p.written_version:
+            p.rejected = p.written_version
+            self.event("error", f"the allocator rejected snapshot {p.written_version} "
+                                f"(reason {s['reject_reason']})", p.program, p.pid, level="warning")
+
+    def _decide(self, prog: Program, dec: Decision):
+        ctx = prog.ctx
+        knobs = ctx.clamp(dec.knobs)
+        origin = "pinned" if prog.pinned else ("learned" if not same(knobs, prog.default) else "default")
+        for ev in dec.evaluations:
+            self._store_evaluation(prog, ev)
+        changed = not same(knobs, prog.target)
+        self._set_target(prog, knobs, origin)
+        if changed:
+            ok = origin
+            self.writes.add(lambda s, k=knobs, o=ok: s.policy(prog.program_id, k, o))
+        kind = {"explore": "policy_applied", "accept": "policy_accepted", "rollback": "policy_rolled_back",
+                "relearn": "relearn", "settle": "policy_settled"}.get(dec.kind, "policy_applied")
+        if changed or dec.kind in ("accept", "relearn", "settle"):
+            self.event(kind, dec.reason, prog, knobs=knobs)
+
+    def _store_evaluation(self, prog: Program, ev: Evaluation):
+        obj = prog.objective.describe()
+        learner = prog.learner_name
+        mix = prog.last_window.mix() if prog.last_window is not None else None
+        origin = "pinned" if prog.pinned else ("default" if same(ev.knobs, prog.default) else "learned")
+
+        def op(store: Store):
+            pid_ = store.policy(prog.program_id, ev.knobs, origin)
+            base = store.policy(prog.program_id, ev.baseline_knobs, "learned" if not same(ev.baseline_knobs, prog.default)
+                                else "default") if ev.baseline_knobs is not None else None
+            store.add_evaluation(prog.program_id, pid_, ev, learner, obj, base)
+            if ev.verdict == "accepted" or (ev.verdict == "measured" and store.chosen(prog.program_id) is None
+                                            and not prog.pinned):
+                store.set_best(prog.program_id, pid_, mix)
+        self.writes.add(op)
+
+    def _flush_learner(self, prog: Program):
+        if prog.learner is None:
+            return
+        try:
+            for ev in prog.learner.flush():
+                self._store_evaluation(prog, ev)
+        except Exception as e:
+            self.log("warning", f"{prog.exe}: learner flush failed: {e}")
+
+    # ---- sampling -------------------------------------------------------------------
+    def _proc_window(self, p: Proc, t0, t1):
+        """One process's rates over [t0, t1] and its gauges at t1."""
+        dt = max(t1 - t0, 1e-3)
+        rec = p.ring.latest()
+        st = proc_stat(p.pid)
+        rss = p.rss_sum / p.rss_n if p.rss_n else (proc_rss(p.pid) or 0)
+        p.rss_sum, p.rss_n = 0.0, 0
+        z = np.zeros(L.NUM_CLASSES)
+        out = {k: z.copy() for k in ("allocs", "refills", "drains", "remote_frees", "slabs_from_os", "slabs_to_os",
+                                     "slabs_from_warm", "slabs_to_warm", "slow_ns", "cached_bytes", "live_bytes")}
+        out.update(os_calls=0.0, minflt=0.0, rss=float(rss), active=False, threads=0, committed=0.0)
+        prev = p.prev_rec
+        if rec is not None:
+            c = rec["cls"]
+            out["cached_bytes"] = c["cached_bytes"].astype(float)
+            out["live_bytes"] = c["live_bytes"].astype(float)
+            out["threads"] = int(rec["proc"]["threads"])
+            out["committed"] = float(rec["proc"]["committed_bytes"])
+            if prev is not None and int(rec["index"]) > int(prev["index"]):
+                out["active"] = True
+                pc = prev["cls"]
+                for k in ("allocs", "refills", "drains", "remote_frees", "slabs_from_os", "slabs_to_os",
+                          "slabs_from_warm", "slabs_to_warm", "slow_ns"):
+                    out[k] = np.maximum(c[k].astype(np.int64) - pc[k].astype(np.int64), 0) / dt
+                out["os_calls"] = sum(max(int(rec["proc"][k]) - int(prev["proc"][k]), 0)
+                                      for k in ("mmap_calls", "munmap_calls", "madvise_calls")) / dt
+            p.prev_rec = rec
+        out["cpu"] = 0.0
+        if st is not None and p.prev_stat is not None:
+            out["minflt"] = max(st["minflt"] - p.prev_stat["minflt"], 0) / dt
+            out["cpu"] = max(st["utime"] + st["stime"] - p.prev_stat["utime"] - p.prev_stat["stime"], 0) / dt
+        if st is not None:
+            p.prev_stat = st
+        return out
+
+    def sample(self, t0_mono, t1_mono):
+        t1_wall = self.clock.time()
+        t0_wall = t1_wall - (t1_mono - t0_mono)
+        for prog in list(self.programs.values()):
+            if not prog.procs:
+                continue
+            parts = []
+            for p in list(prog.procs.values()):
+                if p.ring.alive and proc_start_time(p.pid) != p.start_time:
+                    self._gone(p, "exited")
+                    continue
+                self._confirm(p, t1_mono)
+                w = self._proc_window(p, t0_mono, t1_mono)
+                parts.append((p, w))
+            if not parts or prog.ctx is None:
+                continue
+            # Evidence for the target only when every process had it in force
+            # before the window began (or ran no slow path at all, so no
+            # policy could act in it).
+            in_force = prog.target is not None and all(
+                same(p.written_knobs, prog.target) and (
+                    (p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w["active"])
+                for p, w in parts)
+            knobs = prog.target if in_force else None
+            tot = {k: sum(w[k] for _, w in parts) for k in parts[0][1] if k != "active"}
+            tc = time_cost(float(tot["slow_ns"].sum()), tot["minflt"], tot["os_calls"], self.prices)
+            mc = prog.objective.mem_cost(tot["rss"])
+            win = Window(t_start=t0_wall, t_end=t1_wall, knobs=knobs, processes=len(parts),
+                         allocs=tot["allocs"], refills=tot["refills"], drains=tot["drains"],
+                         remote_frees=tot["remote_frees"], slabs_from_os=tot["slabs_from_os"],
+                         slabs_to_os=tot["slabs_to_os"], slabs_from_warm=tot["slabs_from_warm"],
+                         slabs_to_warm=tot["slabs_to_warm"], slow_ns=tot["slow_ns"],
+                         cached_bytes=tot["cached_bytes"], live_bytes=tot["live_bytes"], os_calls=tot["os_calls"],
+                         minflt=tot["minflt"], rss_bytes=tot["rss"], threads=int(tot["threads"]),
+                         active=any(w["active"] for _, w in parts), time_cost=tc, mem_cost=mc, cost=tc + mc,
+                         cpu=tot["cpu"])
+            prog.last_window = win
+            for p, w in parts:
+                p.windows += 1
+                p.last_rss = w["rss"]
+                p.last_allocs = float(w["allocs"].sum())
+                p.threads = w["threads"]
+                ptc = time_cost(float(w["slow_ns"].sum()), w["minflt"], w["os_calls"], self.prices)
+                pmc = prog.objective.mem_cost(w["rss"])
+                p.last_cost = ptc + pmc
+                self._store_window(prog, p, w, knobs, t0_wall, t1_wall, ptc, pmc)
+            try:
+                dec = prog.learner.observe(win)
+            except Exception as e:   # a learner bug must not stop learnd, nor leave a bad policy
+                self.event("error", f"learner {prog.learner_name} failed ({type(e).__name__}: {e}); "
+                                    f"keeping the policy in force", prog, level="error")
+                dec = None
+            if dec is not None:
+                self._decide(prog, dec)
+
+    def _store_window(self, prog, p: Proc, w, knobs, t0, t1, tc, mc):
+        row = {"t_start": t0, "t_end": t1, "allocs": float(w["allocs"].sum()), "refills": float(w["refills"].sum()),
+               "drains": float(w["drains"].sum()), "remote_frees": float(w["remote_frees"].sum()),
+               "slow_ns": float(w["slow_ns"].sum()), "os_calls": w["os_calls"], "minflt": w["minflt"],
+               "rss_bytes": w["rss"], "cached_bytes": float(w["cached_bytes"].sum()),
+               "live_bytes": float(w["live_bytes"].sum()), "committed_bytes": w["committed"],
+               "time_cost": tc, "mem_cost": mc, "cost": tc + mc, "mix": w["allocs"].astype(np.float32)}
+        origin = "pinned" if prog.pinned else ("default" if same(knobs, prog.default) else "learned")
+
+        def op(store: Store):
+            row["process_id"] = p.process_id
+            row["policy_id"] = store.policy(prog.program_id, knobs, origin) if knobs is not None else None
+            store.add_windows([row])
+        self.writes.add(op)
+
+    def _gone(self, p: Proc, why):
+        prog = p.program
+        prog.procs.pop(p.path, None)
+        self.procs.pop(p.path, None)
+        try:
+            p.ring.close()
+        except Exception:
+            pass
+        if os.path.exists(p.path) and proc_start_time(p.pid) != p.start_time:
+            self._remove_stale(p.path, p.pid)
+        now = self.clock.time()
+        self.writes.add(lambda s: s.process_exited(p.process_id, now) if p.process_id else None)
+        self.event("process_exited", f"{why} after {now - p.first_seen:.1f} s, {p.windows} windows", prog, p.pid)
+        if not prog.procs:
+            self._flush_learner(prog)
+
+    def rss_tick(self):
+        for p in self.procs.values():
+            r = proc_rss(p.pid)
+            if r is not None:
+                p.rss_sum += r
+                p.rss_n += 1
+
+    # ---- the loop ---------------------------------------------------------------
+    def turn(self, wait=True):
+        """One turn: whatever is due, then wait for the next deadline or a request."""
+        now = self.clock.monotonic()
+        if now >= self.next_discover:
+            self.discover(now)
+            self.rss_tick()
+            for p in self.procs.values():
+                self._confirm(p, now)
+            self.next_discover = now + self.cfg.discover_period
+        if now >= self.next_sample:
+            if self.turns:
+                self.sample(self.window_start, now)
+            self.window_start = now
+            self.next_sample = now + self.cfg.sample_period
+            self.writes.flush()
+        if now >= self.next_retain:
+            self.next_retain = now + self.cfg.retain_every
+            if self.writes.flush():
+                try:
+                    r = self.store.retain(raw_s=self.cfg.raw_hours * 3600, keep_s=self.cfg.keep_days * 86400,
+                                          max_rows=self.cfg.max_windows)
+                    self.log("debug", f"retention: {r['before']} -> {r['after']} windows")
+                except StoreError as e:
+                    self.log("warning", f"retention postponed: {e}")
+        self.turns += 1
+        if self.rep is not None:
+            from . import control
+            control.serve(self.rep, self.backend)
+        if wait:
+            timeout = max(0.0, min(self.next_discover, self.next_sample) - self.clock.monotonic())
+            if self.rep is not None:
+                self.rep.poll(int(timeout * 1000) + 1)
+            else:
+                time.sleep(timeout)
+
+    def run(self):
+        while not self.stop_requested:
+            self.turn()
+
+    def status_warnings(self):
+        out = []
+        if self.writes.failing:
+            out.append(f"{self.writes.failing}: {len(self.writes.ops)} writes waiting in memory")
+        if self.writes.dropped:
+            out.append(f"{self.writes.dropped} writes dropped (memory bound reached)")
+        return out
+
+
+def _live_backend(d: Daemon):
+    """The control endpoint's backend: the store's answers plus what only the
+    running daemon knows, and pins that take effect at once."""
+    from . import control
+    from ._pb import hakmem_pb2 as pb
+
+    class LiveBackend(control.StoreBackend):
+        def status(self):
+            st = super().status()
+            st.running = True
+            st.pid = os.getpid()
+            st.started = d.started
+            st.learner = d.cfg.learner
+            st.objective = d.cfg.objective.describe() + ("" if d.cfg.objective_explicit else
+                                                         " (or the cgroup memory limit)")
+            st.exploration = d.cfg.explore
+            st.sample_period_s = d.cfg.sample_period
+            st.programs = sum(1 for g in d.programs.values() if g.procs)
+            st.processes = len(d.procs)
+            st.warnings.extend(d.status_warnings())
+            return st
+
+        def live_processes(self):
+            out = []
+            for p in d.procs.values():
+                out.append(pb.Process(pid=p.pid, start_time=p.start_time, program=p.program.key, uid=p.uid,
+                                      first_seen=p.first_seen, last_seen=d.clock.time(), alive=True,
+                                      applied_version=p.ring.status()["applied_version"],
+                                      rss_bytes=int(p.last_rss), allocs_per_s=p.last_allocs, cost=p.last_cost,
+                                      windows=p.windows, threads=p.threads))
+            return out
+
+        def decorate_program(self, msg, row):
+            super().decorate_program(msg, row)
+            g = d.programs.get(row["key"])
+            if g is None:
+                return
+            if g.learner is not None:
+                msg.state = "pinned" if g.pinned else (g.learner.state() if g.procs else "idle")
+            if g.objective is not None:
+                msg.objective = g.objective.describe()
+            if g.target is not None:
+                msg.in_force.knobs.CopyFrom(control.knobs_to_pb(g.target))
+                msg.in_force.program = g.key
+            hot = getattr(getattr(g.learner, "space", None), "hot", None)
+            if hot:
+                msg.hot_classes.extend(int(c) for c in hot)
+
+        def on_pin(self, program, policy):
+            g = d.programs.get(program["key"])
+            if g is None or not g.procs:
+                return
+            d._flush_learner(g)
+            d._activate(g, next(iter(g.procs.values())))
+            d.event("policy_pinned", f"policy v{policy['version']} pinned by an operator", g,
+                    knobs=policy["knobs"])
+
+        def on_unpin(self, program, was):
+            g = d.programs.get(program["key"])
+            if g is None or not g.procs:
+                return
+            d._flush_learner(g)
+            d._activate(g, next(iter(g.procs.values())))
+            d.event("policy_unpinned", "unpinned: learning again from the best known policy", g)
+
+    return LiveBackend(d.store, run_dir=d.cfg.run_dir, shm_dir=d.cfg.shm_dir)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="hakmem-learnd",
+        description="Watches processes that use libhakmem and tunes each program's allocator policy "
+                    "(thread-cache capacity, warm pool, drain interval) from measurements, remembering "
+                    "the best policy per program in SQLite.")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file (see deploy/learnd.toml)")
+    p.add_argument("--db", help="SQLite database (default /var/lib/hakmem/learn.db as root, else "
+                                "~/.local/state/hakmem/learn.db; $HAKMEM_DB)")
+    p.add_argument("--shm-dir", help="telemetry directory processes publish in (default /dev/shm/hakmem)")
+    p.add_argument("--run-dir", help="directory of the control and events sockets (default /run/hakmem "
+                                     "as root, else $XDG_RUNTIME_DIR/hakmem; $HAKMEM_RUN_DIR)")
+    p.add_argument("--sample-period", type=float, metavar="S", help="seconds per window (default 1)")
+    p.add_argument("--objective", metavar="lambda=N|budget=SIZE",
+                   help="what to minimise: allocator time + N per GiB resident (default lambda=0.125), or "
+                        "time under a memory budget; default: the cgroup's memory limit when there is one")
+    p.add_argument("--learner", help="gp (default), missdriven or static")
+    p.add_argument("--no-explore", dest="explore", action="store_false", default=None,
+                   help="measure and apply stored policies, never try new ones")
+    p.add_argument("--foreground", action="store_true", help="timestamped log lines on stderr "
+                                                             "(default: journald-style lines)")
+    p.add_argument("--once", action="store_true", help="run one turn and exit (for tests)")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug lines too")
+    p.add_argument("--version", action="version", version=f"hakmem-learnd {__version__}")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    log = Log(args.foreground, verbose=args.verbose)
+
+    def fail(msg):
+        print(f"hakmem-learnd: error: {msg}", file=sys.stderr)
+        return 1
+    try:
+        cfg = load(args.config, db=args.db, shm_dir=args.shm_dir, run_dir=args.run_dir,
+                   sample_period=args.sample_period, objective=args.objective, learner=args.learner,
+                   explore=args.explore)
+    except ConfigError as e:
+        return fail(str(e))
+    try:
+        store = Store(cfg.db, busy_ms=100)
+    except StoreError as e:
+        return fail(f"cannot use the database: {e}")
+    flag = []
+    signal.signal(signal.SIGTERM, lambda *_: flag.append("TERM"))
+    signal.signal(signal.SIGINT, lambda *_: flag.append("INT"))
+    try:
+        store.mark_unfinished_exited()
+        d = Daemon(cfg, log, store, prices=Prices.calibrate())
+        d.prepare_dirs()
+        d.open_endpoints()
+    except (ConfigError, StoreError) as e:
+        return fail(str(e))
+    except Exception as e:
+        from . import control
+        if isinstance(e, control.ControlError):
+            return fail(str(e))
+        raise
+    log("info", f"ready: watching {cfg.shm_dir}, database {cfg.db}, control {cfg.run_dir}/control.sock, "
+                f"learner {cfg.learner}, objective {cfg.objective.describe()}"
+                f"{'' if cfg.objective_explicit else ' (or the cgroup memory limit)'}, "
+                f"fault {d.prices.fault_s * 1e6:.2f} us, syscall {d.prices.syscall_s * 1e6:.2f} us")
+    try:
+        if args.once:
+            d.turn(wait=False)
+            d.turn(wait=False)
+        else:
+            while not flag:
+                d.turn()
+        log("info", f"stopping ({flag[0] if flag else 'once'}): {len(d.procs)} processes, "
+                    f"{len(d.writes.ops)} writes pending")
+    finally:
+        d.close()
+        store.close()
+    if d.writes.ops:
+        return fail(f"{len(d.writes.ops)} writes could not be stored: {d.writes.failing}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""hakmem-learnd end to end: a real daemon process, real preloaded workloads,
+a real SQLite file and real sockets. What it must survive: SIGKILL at any
+moment, crowds of short-lived processes, hostile files in its directory, a
+locked database, and a database it cannot use at all."""
+import json
+import os
+import pathlib
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, WORKLOAD, clean_env, proc_start_time, ring_path, start, wait_for
+
+sys.path.insert(0, str(ROOT / "learner"))
+from hakmem.ring import Ring  # noqa: E402
+from hakmem.store import Store  # noqa: E402
+
+CLS64 = 4            # the size class serving 64-byte blocks (hk_size_class(64))
+PERIOD = 0.5         # learnd's window in these tests
+
+
+class Learnd:
+    """hakmem-learnd in a private directory, its log in a file."""
+
+    def __init__(self, tmp, *extra, db=None, user=None, wait_ready=True, period=PERIOD):
+        self.tmp = pathlib.Path(tmp)
+        self.shm = self.tmp / "shm"
+        self.run = self.tmp / "run"
+        self.db = pathlib.Path(db) if db else self.tmp / "learn.db"
+        self.logpath = self.tmp / f"learnd-{time.monotonic_ns()}.log"
+        self.log = open(self.logpath, "w")
+        cmd = [sys.executable, "-m", "hakmem.daemon", "--foreground", "--db", str(self.db), "--shm-dir",
+               str(self.shm), "--run-dir", str(self.run), "--sample-period", str(period), *extra]
+        def pre():
+            os.setgid(user[1])
+            os.setuid(user[0])
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=clean_env(),
+                                     cwd=ROOT, preexec_fn=pre if user else None)
+        if wait_ready:
+            wait_for(lambda: "ready:" in self.text() or self.proc.poll() is not None, 30, "learnd ready")
+            assert self.proc.poll() is None, f"learnd exited at start:\n{self.text()}"
+
+    def text(self):
+        return self.logpath.read_text()
+
+    def stop(self, timeout=20):
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        self.log.close()
+        return rc
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(10)
+        self.log.close()
+
+    def wait_log(self, needle, timeout=10):
+        wait_for(lambda: needle in self.text(), timeout, f"{needle!r} in learnd's log:\n{self.text()[-3000:]}")
+
+
+def db_rows(db, sql, *args):
+    con = sqlite3.connect(db, timeout=5)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def finish(w, timeout=60):
+    out, err = w.communicate(timeout=timeout)
+    assert w.returncode == 0, f"workload failed ({w.returncode}): {err}"
+    assert err == "", err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_discovers_samples_stores_and_cleans_up(tmp_path):
+    d = Learnd(tmp_path, "--learner", "static")
+    try:
+        w = start(["burst", 64, 3000, 3], d.shm)
+        ring_path(d.shm, w.pid)
+        r = finish(w)
+        assert r["ops"] > 0
+        d.wait_log(f"process_exited workload[{w.pid}]")
+    finally:
+        assert d.stop() == 0, d.text()
+    exe = os.path.realpath(WORKLOAD)
+    progs = db_rows(d.db, "SELECT id, exe, build_id FROM programs")
+    assert [(p[1]) for p in progs] == [exe]
+    assert progs[0][2] and not progs[0][2].startswith("stat:"), "the workload has a GNU build id"
+    procs = db_rows(d.db, "SELECT pid, exited FROM processes")
+    assert procs == [(w.pid, procs[0][1])] and procs[0][1] is not None
+    n, with_policy, allocs = db_rows(d.db, "SELECT count(*), count(policy_id), max(allocs) FROM windows")[0]
+    assert n >= 4 and with_policy >= 3 and allocs > 1e6, (n, with_policy, allocs)
+    assert db_rows(d.db, "SELECT origin FROM policies") == [("default",)]
+    assert list(d.shm.iterdir()) == []
+    assert db_rows(d.db, "PRAGMA integrity_check") == [("ok",)]
+    assert oct(d.shm.stat().st_mode & 0o7777) in ("0o1777", "0o700", "0o1700")
+
+
+def test_learns_a_deeper_cache_for_a_bursty_program_and_remembers_it(tmp_path):
+    """The GP learner, from a cold start, on a program whose 64-byte bursts of
+    4000 blocks overflow the default 1024-block cache: it must find a bigger
+    capacity for that class within 25 s, cut refills, and store it as best."""
+    d = Learnd(tmp_path, "--learner", "gp")
+    try:
+        w = start(["burst", 64, 4000, 25], d.shm)
+        path = ring_path(d.shm, w.pid)
+        default_cap = Ring(path).policy_in_force()["tcache_cap"][CLS64]
+
+        def learned():
+            rows = db_rows(d.db, "SELECT p.knobs FROM programs g JOIN policies p ON p.id = g.best_policy")
+            return rows and json.loads(rows[0][0])["tcache_cap"][CLS64] > default_cap and rows
+        wait_for(learned, 25, f"a learned best policy with a bigger 64-byte cache:\n{d.text()[-3000:]}")
+        finish(w)
+        d.wait_log(f"process_exited workload[{w.pid}]")
+    finally:
+        assert d.stop() == 0, d.text()
+    best = json.loads(db_rows(d.db, "SELECT p.knobs FROM programs g JOIN policies p ON p.id = g.best_policy")[0][0])
+    assert best["tcache_cap"][CLS64] >= 4000, best["tcache_cap"][CLS64]
+    verdicts = {v for (v,) in db_rows(d.db, "SELECT verdict FROM evaluations")}
+    assert "accepted" in verdicts, verdicts
+    # Refills per allocation under the best policy vs under the default.
+    rates = db_rows(d.db, "SELECT p.origin, sum(w.refills) / sum(w.allocs) FROM windows w JOIN policies p "
+                          "ON p.id = w.policy_id WHERE w.allocs > 0 GROUP BY p.origin")
+    r = dict(rates)
+    assert r["default"] > 0 and r.get("learned", 1) < r["default"] / 5, r
+
+
+def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
+    shm0 = tmp_path / "shm0"
+    shm0.mkdir()
+    w = start(["burst", 64, 100, 1], shm0)
+    with Ring(ring_path(shm0, w.pid)) as r:
+        header, knobs = r.header(), r.policy_in_force()
+    finish(w)
+    del knobs["version"]
+    knobs["tcache_cap"][CLS64] = 3333
+    knobs["tcache_batch"][CLS64] = 256
+    from hakmem.identity import elf_build_id
+    s = Store(tmp_path / "learn.db")
+    pid_ = s.program(os.path.realpath(WORKLOAD), elf_build_id(str(WORKLOAD)), header["class_size"])
+    pol = s.policy(pid_, knobs, "learned")
+    s.set_best(pid_, pol)
+    s.close()
+    d = Learnd(tmp_path, "--learner", "gp")
+    try:
+        w = start(["burst", 64, 3000, 4], d.shm)
+        path = ring_path(d.shm, w.pid, timeout=5)
+        t0 = time.monotonic()
+        with Ring(path) as r:
+            wait_for(lambda: r.status()["applied_version"] > 0 and
+                     r.policy_in_force()["tcache_cap"][CLS64] == 3333, 2, "the stored best applied")
+        took = time.monotonic() - t0
+        assert took < 1.0, f"stored best applied {took:.2f} s after the telemetry file appeared"
+        finish(w)
+        d.wait_log("warm_start")
+    finally:
+        assert d.stop() == 0, d.text()
+
+
+def test_sigkill_at_random_moments_leaves_programs_and_database_intact(tmp_path):
+    rnd = random.Random(5)
+    (tmp_path / "shm").mkdir()
+    works = [start(["mixed", 2, 12], tmp_path / "shm"), start(["burst", 64, 3000, 12], tmp_path / "shm")]
+    end = time.monotonic() + 9
+    kills = 0
+    while time.monotonic() < end:
+        d = Learnd(tmp_path, "--learner", "gp")
+        time.sleep(rnd.uniform(0.3, 2.0))
+        d.kill()
+        kills += 1
+        assert db_rows(d.db, "PRAGMA integrity_check") == [("ok",)]
+    d = Learnd(tmp_path, "--learner", "gp")
+    try:
+        for w in works:
+            r = finish(w)
+            assert r["ops"] > 0
+        d.wait_log("process_exited", 10)
+    finally:
+        assert d.stop() == 0, d.text()
+    assert kills >= 3
+    assert db_rows(d.db, "PRAGMA integrity_check") == [("ok",)]
+    # The restarted learnd resumed: the same two processes, windows from its turn.
+    procs = db_rows(d.db, "SELECT pid, exited FROM processes ORDER BY pid")
+    assert sorted(p for p, _ in procs) == sorted(w.pid for w in works)
+    assert all(e is not None for _, e in procs)
+    assert db_rows(d.db, "SELECT count(*) FROM windows")[0][0] >= 8
+
+
+def open_fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_fifty_short_lived_processes_leave_nothing_behind(tmp_path):
+    d = Learnd(tmp_path, "--learner", "gp")
+    try:
+        time.sleep(0.5)
+        fds0 = open_fds(d.proc.pid)
+        killed = 0
+        for batch in range(10):
+            ws = [start(["burst", 64, 2000, 0.4], d.shm, HAKMEM_TELEMETRY_MS=20) for _ in range(5)]
+            if batch % 2:
+                # Killed before their exit handlers run: they leave stale files.
+                ring_path(d.shm, ws[0].pid)
+                ws[0].kill()
+                killed += 1
+            for w in ws:
+                w.communicate(timeout=30)
+        wait_for(lambda: not list(d.shm.iterdir()), 5, "an empty telemetry directory")
+        d.wait_log("process_exited", 5)
+        time.sleep(2 * PERIOD)
+        assert open_fds(d.proc.pid) <= fds0 + 1, (fds0, os.listdir(f"/proc/{d.proc.pid}/fd"))
+        maps = pathlib.Path(f"/proc/{d.proc.pid}/maps").read_text()
+        assert str(d.shm) not in maps, "a telemetry file is still mapped"
+    finally:
+        assert d.stop() == 0, d.text()
+    n, live = db_rows(d.db, "SELECT count(*), count(*) - count(exited) FROM processes")[0]
+    assert n >= 45 and live == 0, (n, live)
+    assert killed == 5
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user (chown)")
+def test_hostile_files_are_ignored_with_a_log_line(tmp_path):
+    d = Learnd(tmp_path, "--learner", "static")
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        # Garbage named after a live process.
+        junk = d.shm / f"{sleeper.pid}-{proc_start_time(sleeper.pid)}"
+        junk.write_bytes(os.urandom(8192))
+        os.utime(junk, (time.time() - 10, time.time() - 10))
+        # A real ring whose owner is not the process's owner.
+        w = start(["burst", 64, 2000, 4], d.shm)
+        path = ring_path(d.shm, w.pid)
+        w2 = start(["burst", 64, 2000, 4], d.shm)
+        path2 = ring_path(d.shm, w2.pid)
+        os.chown(path2, 65534, 65534)
+        os.symlink(path, d.shm / f"{sleeper.pid}-1")
+        d.wait_log(f"{junk.name}: not a hakmem telemetry file")
+        finish(w)
+        finish(w2)
+        assert d.proc.poll() is None
+        log = d.text()
+        assert log.count(f"{junk.name}: not a hakmem telemetry file") == 1, "logged once, not every turn"
+    finally:
+        sleeper.kill()
+        assert d.stop() == 0, d.text()
+    assert "not trusted" in log or f"workload[{w2.pid}]" not in log, log
+    pids = {p for (p,) in db_rows(d.db, "SELECT pid FROM processes")}
+    assert w.pid in pids and w2.pid not in pids and sleeper.pid not in pids
+
+
+def test_locked_database_loses_no_samples(tmp_path):
+    d = Learnd(tmp_path, "--learner", "static")
+    try:
+        w = start(["burst", 64, 3000, 7], d.shm)
+        ring_path(d.shm, w.pid)
+        time.sleep(1.5)
+        con = sqlite3.connect(d.db, isolation_level=None)
+        con.execute("BEGIN IMMEDIATE")
+        d.wait_log("database is locked", 5)
+        time.sleep(2.5)
+        con.execute("ROLLBACK")
+        con.close()
+        d.wait_log("database writable again", 5)
+        finish(w)
+        d.wait_log("process_exited")
+    finally:
+        assert d.stop() == 0, d.text()
+    ends = [t for (t,) in db_rows(d.db, "SELECT w.t_end FROM windows w JOIN processes p ON p.id = w.process_id "
+                                       "WHERE p.pid = ? ORDER BY w.t_end", w.pid)]
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    assert len(ends) >= 10 and max(gaps) < 2.5 * PERIOD, (len(ends), gaps)
+
+
+def test_unusable_database_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "damaged.db"
+    bad.write_bytes(b"SQLite format 3\0" + os.urandom(4096))
+    d = Learnd(tmp_path, "--learner", "static", db=bad, wait_ready=False)
+    assert d.proc.wait(30) == 1
+    lines = d.text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hakmem-learnd: error: cannot use the database:"), lines
+    assert "damaged" in lines[0] or "not a database" in lines[0], lines
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run learnd as another user over a root-owned database")
+def test_read_only_database_is_a_one_line_error(tmp_path):
+    s = Store(tmp_path / "ro.db")
+    s.close()
+    os.chmod(tmp_path, 0o755)
+    for p in tmp_path.iterdir():
+        os.chmod(p, 0o644)
+    run = tmp_path / "nobody"
+    run.mkdir()
+    os.chown(run, 65534, 65534)
+    d = Learnd(run, "--learner", "static", db=tmp_path / "ro.db", user=(65534, 65534), wait_ready=False)
+    assert d.proc.wait(30) == 1, d.text()
+    lines = d.text().strip().splitlines()
+    assert len(lines) == 1 and "read-only" in lines[0], lines
+
+
+def test_command_line(tmp_path):
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "hakmem.daemon", *a], capture_output=True, text=True,
+                              cwd=ROOT, env=clean_env(), timeout=60)
+    r = run("--help")
+    assert r.returncode == 0 and "--objective" in r.stdout and "--learner" in r.stdout
+    r = run("--db", str(tmp_path / "x.db"), "--objective", "budget=lots")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "budget=lots" in r.stderr, r.stderr
+    r = run("--db", str(tmp_path / "x.db"), "--learner", "oracle", "--shm-dir", str(tmp_path / "s"),
+            "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 1 and "unknown learner 'oracle'" in r.stderr, r.stderr
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("sample_period = 'fast'\n")
+    r = run("--config", str(cfg))
+    assert r.returncode == 1 and "sample_period must be a float" in r.stderr, r.stderr

@@ -362,8 +362,7 @@ class Daemon:
             self._activate(prog, p)
         elif prog.target is not None:
             self._write(p, prog.target)
-        self.event("process_started", f"{exe} (program {'new' if fresh else 'known'}; "
-                                      f"{len(prog.procs)} live)", prog, pid)
+        self.event("process_started", f"{exe} ({len(prog.procs)} of its program live)", prog, pid)
 
     def _register(self, prog: Program, p: Proc, default_knobs, fresh):
         """Program and process rows; the default policy the first time one is seen."""
@@ -610,6 +609,8 @@ class Daemon:
                 dec = None
             if dec is not None:
                 self._decide(prog, dec)
+            for ev in prog.learner.pending():
+                self._store_evaluation(prog, ev)
 
     def _store_window(self, prog, p: Proc, w, knobs, t0, t1, tc, mc):
         row = {"t_start": t0, "t_end": t1, "allocs": float(w["allocs"].sum()), "refills": float(w["refills"].sum()),

@@ -186,6 +186,11 @@ class Learner(Protocol):
     def state(self) -> str:
         """measuring | exploring | settled | idle, for `hakmem status`."""
 
+    def pending(self) -> list[Evaluation]:
+        """Evaluations closed since the last call and not carried by a
+        Decision (a settled or static learner measures without deciding).
+        Called once per window; never interrupts a trial."""
+
     def flush(self) -> list[Evaluation]:
-        """Evaluations not yet reported (called when the program goes idle or
-        learnd stops), so what was measured is kept."""
+        """Everything not yet reported, open measurements closed as they
+        stand (called when the program goes idle or learnd stops)."""

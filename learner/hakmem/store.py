@@ -75,7 +75,15 @@ class Store:
                 self.db = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_ms / 1000)
             else:
                 parent = os.path.dirname(os.path.abspath(self.path))
-                os.makedirs(parent, mode=0o700, exist_ok=True)
+                try:
+                    os.makedirs(parent, mode=0o700, exist_ok=True)
+                except OSError as e:
+                    raise StoreError(f"{self.path}: cannot create its directory: {e.strerror}") from None
+                # SQLite says only "unable to open database file" for these.
+                if os.statvfs(parent).f_flag & os.ST_RDONLY:
+                    raise StoreError(f"{self.path}: database is read-only (its file system is mounted read-only)")
+                if os.path.exists(self.path) and not os.access(self.path, os.W_OK):
+                    raise StoreError(f"{self.path}: database is read-only (no write permission)")
                 self.db = sqlite3.connect(self.path, isolation_level=None, timeout=busy_ms / 1000)
             self.db.row_factory = sqlite3.Row
             self.db.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")

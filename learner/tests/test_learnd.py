@@ -27,7 +27,7 @@ PERIOD = 0.5         # learnd's window in these tests
 class Learnd:
     """hakmem-learnd in a private directory, its log in a file."""
 
-    def __init__(self, tmp, *extra, db=None, user=None, wait_ready=True, period=PERIOD):
+    def __init__(self, tmp, *extra, db=None, wait_ready=True, period=PERIOD):
         self.tmp = pathlib.Path(tmp)
         self.shm = self.tmp / "shm"
         self.run = self.tmp / "run"
@@ -36,11 +36,8 @@ class Learnd:
         self.log = open(self.logpath, "w")
         cmd = [sys.executable, "-m", "hakmem.daemon", "--foreground", "--db", str(self.db), "--shm-dir",
                str(self.shm), "--run-dir", str(self.run), "--sample-period", str(period), *extra]
-        def pre():
-            os.setgid(user[1])
-            os.setuid(user[0])
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=clean_env(),
-                                     cwd=ROOT, preexec_fn=pre if user else None)
+                                     cwd=ROOT)
         if wait_ready:
             wait_for(lambda: "ready:" in self.text() or self.proc.poll() is not None, 30, "learnd ready")
             assert self.proc.poll() is None, f"learnd exited at start:\n{self.text()}"
@@ -124,17 +121,18 @@ def test_learns_a_deeper_cache_for_a_bursty_program_and_remembers_it(tmp_path):
     assert best["tcache_cap"][CLS64] >= 4000, best["tcache_cap"][CLS64]
     verdicts = {v for (v,) in db_rows(d.db, "SELECT verdict FROM evaluations")}
     assert "accepted" in verdicts, verdicts
-    # Refills per allocation under the best policy vs under the default.
-    rates = db_rows(d.db, "SELECT p.origin, sum(w.refills) / sum(w.allocs) FROM windows w JOIN policies p "
-                          "ON p.id = w.policy_id WHERE w.allocs > 0 GROUP BY p.origin")
-    r = dict(rates)
-    assert r["default"] > 0 and r.get("learned", 1) < r["default"] / 5, r
+    # Refills per second of the program under the best policy vs the default
+    # (windows with no slow path at all have no record, hence 0 refills).
+    rates = dict(db_rows(d.db, "SELECT CASE WHEN p.id = g.best_policy THEN 'best' ELSE p.origin END, "
+                               "avg(w.refills) FROM windows w JOIN policies p ON p.id = w.policy_id "
+                               "JOIN programs g ON g.id = p.program_id GROUP BY 1"))
+    assert rates["default"] > 1000 and rates["best"] < rates["default"] / 5, rates
 
 
 def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
     shm0 = tmp_path / "shm0"
     shm0.mkdir()
-    w = start(["burst", 64, 100, 1], shm0)
+    w = start(["burst", 64, 3000, 1], shm0)
     with Ring(ring_path(shm0, w.pid)) as r:
         header, knobs = r.header(), r.policy_in_force()
     finish(w)
@@ -166,7 +164,7 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
 def test_sigkill_at_random_moments_leaves_programs_and_database_intact(tmp_path):
     rnd = random.Random(5)
     (tmp_path / "shm").mkdir()
-    works = [start(["mixed", 2, 12], tmp_path / "shm"), start(["burst", 64, 3000, 12], tmp_path / "shm")]
+    works = [start(["mixed", 2, 16], tmp_path / "shm"), start(["burst", 64, 3000, 16], tmp_path / "shm")]
     end = time.monotonic() + 9
     kills = 0
     while time.monotonic() < end:
@@ -287,18 +285,20 @@ def test_unusable_database_is_a_one_line_error(tmp_path):
     assert "damaged" in lines[0] or "not a database" in lines[0], lines
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run learnd as another user over a root-owned database")
 def test_read_only_database_is_a_one_line_error(tmp_path):
-    s = Store(tmp_path / "ro.db")
-    s.close()
-    os.chmod(tmp_path, 0o755)
-    for p in tmp_path.iterdir():
-        os.chmod(p, 0o644)
-    run = tmp_path / "nobody"
-    run.mkdir()
-    os.chown(run, 65534, 65534)
-    d = Learnd(run, "--learner", "static", db=tmp_path / "ro.db", user=(65534, 65534), wait_ready=False)
-    assert d.proc.wait(30) == 1, d.text()
+    """A database on a read-only file system (a tmpfs remounted read-only)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ro)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(8) to make a read-only file system for the database")
+    try:
+        Store(ro / "learn.db").close()
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        d = Learnd(tmp_path, "--learner", "static", db=ro / "learn.db", wait_ready=False)
+        assert d.proc.wait(30) == 1, d.text()
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])
     lines = d.text().strip().splitlines()
     assert len(lines) == 1 and "read-only" in lines[0], lines
 

@@ -204,8 +204,22 @@ class Daemon:
             raise ConfigError(f"{d} is world-writable without the sticky bit: refusing to use it")
 
     def open_endpoints(self):
+        import fcntl
+
         import zmq
         from . import control
+        # Two learnds started at the same moment would both find no one
+        # answering on control.sock; the lock, held for life, settles it.
+        try:
+            os.makedirs(self.cfg.run_dir, mode=0o700, exist_ok=True)
+            self.lock_fd = os.open(os.path.join(self.cfg.run_dir, "learnd.lock"),
+                                   os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise control.ControlError(f"another hakmem-learnd is running on {self.cfg.run_dir} "
+                                       f"(it holds learnd.lock)") from None
+        except OSError as e:
+            raise control.ControlError(f"cannot lock {self.cfg.run_dir}/learnd.lock: {e.strerror}") from None
         self.zctx = zmq.Context()
         self.rep, self.pub = control.bind(self.zctx, self.cfg.run_dir)
         self.backend = _live_backend(self)

@@ -303,6 +303,18 @@ def test_read_only_database_is_a_one_line_error(tmp_path):
     assert len(lines) == 1 and "read-only" in lines[0], lines
 
 
+def test_one_learnd_per_run_directory(tmp_path):
+    d = Learnd(tmp_path, "--learner", "static")
+    try:
+        again = Learnd(tmp_path, "--learner", "static", db=tmp_path / "other.db", wait_ready=False)
+        assert again.proc.wait(30) == 1
+        lines = again.text().strip().splitlines()
+        assert len(lines) == 1 and "another hakmem-learnd is running" in lines[0], lines
+        assert d.proc.poll() is None
+    finally:
+        assert d.stop() == 0, d.text()
+
+
 def test_command_line(tmp_path):
     def run(*a):
         return subprocess.run([sys.executable, "-m", "hakmem.daemon", *a], capture_output=True, text=True,

@@ -12,9 +12,13 @@
  *                 drains; a cache of 4096 blocks serves it from the thread
  *                 cache and costs 256 KiB. Wants: a deep cache for one class.
  *   idle-threads  `threads` threads (default 32); each wakes every 50..250 ms,
- *                 picks 3 of 8 size classes (32 B .. 48 KiB), allocates
- *                 about `kib` KiB (default 384) of each, touches and frees it
- *                 (twice), and sleeps again. Every thread holds little live,
+ *                 picks 3 of 8 size classes (2 .. 48 KiB), allocates a
+ *                 quarter to twice `kib` KiB (default 256) of each, touches
+ *                 and frees it (twice), and sleeps again. The amount varies
+ *                 as a request's would: the larger ones overflow a cache and
+ *                 run the allocator's slow path, which is also where a new
+ *                 policy is taken up (a thread that never leaves its cache
+ *                 never sees one). Every thread holds little live,
  *                 but default caches park up to 1 MiB per medium class in
  *                 every sleeping thread. Wants: small caches, a short drain.
  *   phases        a cycle every `period_ms` (default 400), run by `workers`
@@ -177,7 +181,7 @@ static void* idle_main(void* arg) {
   uint64_t s = seed_of(P.seed, (uint64_t)me + 1);
   size_t per_class_max = 0;
   for (int k = 0; k < 8; k++) {
-    size_t n = ((size_t)P.kib << 10) / idle_sizes[k];
+    size_t n = ((size_t)P.kib << 11) / idle_sizes[k];
     if (n > per_class_max) per_class_max = n;
   }
   if (per_class_max > 4096) per_class_max = 4096;
@@ -193,13 +197,15 @@ static void* idle_main(void* arg) {
       } while ((j > 0 && k == pick[0]) || (j > 1 && k == pick[1]));
       pick[j] = k;
     }
+    size_t amount[3];   /* in quarters of `kib`: 1..8 */
+    for (int j = 0; j < 3; j++) amount[j] = 1 + rng(&s) % 8;
     double c0 = cpu_now();
     uint64_t ops = 0;
     for (int rep = 0; rep < 2; rep++) {
       size_t m = 0;
       for (int j = 0; j < 3; j++) {
         size_t size = idle_sizes[pick[j]];
-        size_t n = ((size_t)P.kib << 10) / size;
+        size_t n = ((size_t)P.kib << 10) * amount[j] / 4 / size;
         if (n > per_class_max) n = per_class_max;
         for (size_t i = 0; i < n; i++) {
           v[m] = xmalloc(size);

@@ -585,13 +585,12 @@ class Daemon:
                 parts.append((p, w))
             if not parts or prog.ctx is None:
                 continue
-            # Evidence for the target only when every process had it in force
-            # before the window began (or ran no slow path at all, so no
-            # policy could act in it).
+            # Evidence for the target only when every process had applied it
+            # before the window began. A process that runs no slow path never
+            # looks at a new snapshot: its windows are still the old policy's.
             in_force = prog.target is not None and all(
-                same(p.written_knobs, prog.target) and (
-                    (p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w["active"])
-                for p, w in parts)
+                same(p.written_knobs, prog.target) and p.confirmed_at is not None and p.confirmed_at <= t0_mono
+                for p, _ in parts)
             knobs = prog.target if in_force else None
             tot = {k: sum(w[k] for _, w in parts) for k in parts[0][1] if k != "active"}
             tc = time_cost(float(tot["slow_ns"].sum()), tot["minflt"], tot["os_calls"], self.prices)

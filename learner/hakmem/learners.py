@@ -215,6 +215,7 @@ class PolicySpace:
     def hot_classes(windows: Sequence[Window], max_hot: int = 3, min_score: float = 0.05) -> tuple[int, ...]:
         """Classes ranked by share of allocations plus share of slab churn."""
         score = np.zeros(L.NUM_CLASSES)
+        n = 0
         for w in windows:
             a = np.asarray(w.allocs, dtype=float)
             ch = np.asarray(_churn(w), dtype=float)
@@ -222,8 +223,9 @@ class PolicySpace:
                 score += a / a.sum()
             if ch.sum() > 0:
                 score += ch / ch.sum()
-        if windows:
-            score /= len(windows)
+            n += a.sum() > 0 or ch.sum() > 0
+        if n:
+            score /= n   # windows without counts say nothing about which class is hot
         score[0] = 0.0   # huge objects have no knobs
         order = sorted(range(L.NUM_CLASSES), key=lambda c: (-score[c], c))
         return tuple(c for c in order[:max_hot] if score[c] >= min_score)
@@ -335,6 +337,7 @@ class GPLearner(_Reports):
                  radius_max: float = 2.0, shrink: float = 0.5, grow: float = 1.5, warmup_windows: int = 3,
                  trial_windows: int = 3, remeasure_every: int = 4, remeasure_windows: int = 3,
                  settle_after: int = 3, report_every: int = 10, mix_threshold: float = 0.3,
+                 trial_windows_max: int = 8, flat_after: int = 6, stall_windows: int = 10,
                  mix_windows: int = 3, max_hot: int = 3, n_random: int = 64, min_margin: float = 0.005,
                  prior_sd: float = 0.01, max_points: int = 150, evidence_weight: float = 0.01,
                  random_dims: float = 1.0):
@@ -343,6 +346,9 @@ class GPLearner(_Reports):
         self.shrink, self.grow = shrink, grow
         self.warmup_windows = max(2, warmup_windows)
         self.trial_windows = max(2, trial_windows)
+        self.trial_windows_max = max(self.trial_windows, trial_windows_max)
+        self.flat_after = flat_after
+        self.stall_windows = stall_windows
         self.remeasure_every, self.remeasure_windows = remeasure_every, remeasure_windows
         self.settle_after, self.report_every = settle_after, report_every
         self.mix_threshold, self.mix_windows = mix_threshold, mix_windows
@@ -362,7 +368,10 @@ class GPLearner(_Reports):
         warm = bool(history) and first is not None
         self._radius0 = self.radius0 / 2 if warm else self.radius0
         self._pending: list[Evaluation] = []
+        # Every window measured under a known policy, and the ones among
+        # them that carry allocation counts (a record was written in them).
         self._recent: collections.deque[Window] = collections.deque(maxlen=max(8, self.warmup_windows))
+        self._counted: collections.deque[Window] = collections.deque(maxlen=max(8, self.warmup_windows))
         self._meter = _Meter(self.report_every)    # explore=False only
         self._idle = False
         self._reset_search()
@@ -372,17 +381,32 @@ class GPLearner(_Reports):
         if self.ctx is None:
             raise RuntimeError("observe() before start()")
         if w.knobs is None:
-            return None     # a transition: evidence for neither policy
-        if not w.busy:
-            self._idle = True
+            # A transition: evidence for neither policy. A candidate that stays
+            # unconfirmed was never applied: the allocator looks at a new
+            # policy on its slow path only, and this program runs none.
+            t = self._trial
+            if t is not None and t.n == 0:
+                self._stall += 1
+                if self._stall >= self.stall_windows:
+                    self._trial = None
+                    self._stall = 0
+                    self._settle()
+                    return Decision(self._inc, "rollback",
+                                    f"the program did not apply the candidate in {self.stall_windows} windows "
+                                    f"(it runs no allocator slow path, where policies are taken up): back to the "
+                                    f"incumbent, settled", self._take())
             return None
-        self._idle = False
-        # A busy window without a record is a policy that served every call
-        # from the caches: evidence of its cost, but it carries no counts for
-        # the size mix or the hot classes.
+        self._stall = 0
+        # Every window is evidence of what its policy costs: a busy one without
+        # a record is a policy that served every call from the caches, a quiet
+        # one is a program whose memory is the whole cost (caches parked in
+        # sleeping threads). Only counted windows say anything about the size
+        # mix and the hot classes.
+        self._idle = not w.busy
         counted = _active(w)
+        self._recent.append(w)
         if counted:
-            self._recent.append(w)
+            self._counted.append(w)
         if not self.ctx.explore:
             _push(self._pending, self._meter.add(w))
             if same(w.knobs, self._inc):
@@ -473,6 +497,8 @@ class GPLearner(_Reports):
         self._scale = 0.0                     # the incumbent's cost in those units
         self._radius = self._radius0
         self._fails_at_min = 0
+        self._flat = 0            # inconclusive trials in a row
+        self._stall = 0           # windows since the candidate was written, none confirmed
         self._trials = 0
         self._tabu: set[str] = set()
         self._since = 0
@@ -509,9 +535,10 @@ class GPLearner(_Reports):
 
     # -- warm-up done: the space, the reference mix, the priors ------------------------------
     def _begin(self) -> None:
-        ws = list(self._recent)[-self.warmup_windows:]
-        self._space = PolicySpace(self.ctx, self._inc, ws, self.max_hot)
-        self._ref_mix = np.mean([w.mix() for w in ws], axis=0)
+        counted = list(self._counted)[-self.warmup_windows:]
+        self._space = PolicySpace(self.ctx, self._inc, counted or list(self._recent)[-self.warmup_windows:],
+                                  self.max_hot)
+        self._ref_mix = np.mean([w.mix() for w in counted], axis=0) if counted else None
         self._mix_over = 0
         self._inc_x = self._space.from_knobs(self._inc)
         self._add_point(self._inc_x, self._scale)
@@ -528,9 +555,12 @@ class GPLearner(_Reports):
 
     # -- mix change ------------------------------------------------------------------
     def _check_mix(self) -> Decision | None:
-        if self._ref_mix is None or len(self._recent) < self.mix_windows:
+        if len(self._counted) < self.mix_windows:
             return None
-        m = np.mean([w.mix() for w in list(self._recent)[-self.mix_windows:]], axis=0)
+        m = np.mean([w.mix() for w in list(self._counted)[-self.mix_windows:]], axis=0)
+        if self._ref_mix is None:   # the search began before any window had counts
+            self._ref_mix = m
+            return None
         dist = float(np.abs(m - self._ref_mix).sum())
         self._mix_over = self._mix_over + 1 if dist > self.mix_threshold else 0
         if self._mix_over < self.mix_windows:
@@ -540,7 +570,7 @@ class GPLearner(_Reports):
             evs.append(self._trial.evaluation("measured", self._inc, self._inc_mean()))
         if self._inc_run.n:
             evs.append(self._inc_run.evaluation("measured"))
-        hot = PolicySpace.hot_classes(list(self._recent)[-self.mix_windows:], self.max_hot)
+        hot = PolicySpace.hot_classes(list(self._counted)[-self.mix_windows:], self.max_hot)
         top = ", ".join(f"{self.ctx.class_size[c]}B {m[c] * 100:.0f}%" for c in hot) or "nothing hot"
         self._reset_search()
         _push(self._pending, evs)
@@ -565,6 +595,10 @@ class GPLearner(_Reports):
             # Clearly worse after two windows: no third window of a bad policy.
             if not (t.n >= 2 and diff > max(3 * se, 4 * self.min_margin * inc)):
                 return None
+        elif diff < 0 and -diff <= margin and t.n < self.trial_windows_max:
+            # Better, but not yet beyond the noise: a noisy program (phases
+            # aliasing with the window) needs more windows, not a verdict.
+            return None
         if -diff > margin:
             verdict = "accepted"
         else:
@@ -585,18 +619,26 @@ class GPLearner(_Reports):
             self._inc_run, self._inc_seg = _Run(t.knobs), _Run(t.knobs)
             self._radius = min(self._radius * self.grow, self.radius_max)
             self._fails_at_min = 0
+            self._flat = 0
             self._tabu.clear()
             return Decision(t.knobs, "accept", f"accept: {change}", self._take())
         self._tabu.add(digest(t.knobs))
         at_min = t.radius <= self.radius_min + 1e-9
         self._fails_at_min = self._fails_at_min + 1 if at_min else 0
-        self._radius = max(self._radius * self.shrink, self.radius_min)
+        # Clearly worse: look closer. Within the noise: a smaller step would
+        # be harder still to tell from noise, so the region keeps its size.
+        self._flat = self._flat + 1 if verdict == "rejected" else 0
+        if verdict == "rolled_back":
+            self._radius = max(self._radius * self.shrink, self.radius_min)
         self._inc_seg = _Run(self._inc)
         word = "roll back" if verdict == "rolled_back" else "reject (within noise), back to incumbent"
         reason = f"{word}: {change}" + ("" if t.n >= self.trial_windows else f" after {t.n} windows")
         if self._fails_at_min >= self.settle_after:
             self._settle()
             reason += f"; settled after {self._fails_at_min} failures at the smallest step"
+        elif self._flat >= self.flat_after:
+            self._settle()
+            reason += f"; settled after {self._flat} trials in a row within the noise"
         return Decision(self._inc, "rollback", reason, self._take())
 
     def _settle(self) -> None:
@@ -688,6 +730,31 @@ class GPLearner(_Reports):
                 x[i] = np.clip(x0[i] + sgn * r, sp.lo[i], sp.hi[i])
                 if abs(x[i] - x0[i]) > 1e-6:
                     add(x, *ev.get((int(i), sgn), (0.0, "")))
+        # Steps the counters argue for as a whole: no single cache parks
+        # enough memory to show above the noise when a program spreads it over
+        # many classes, and every warm pool that churns with the OS wants the
+        # same thing.
+        for sgn, kinds in ((-1, ("cap", "rest")), (1, ("warm",))):
+            idx = [i for i, (kind, _) in enumerate(sp.dims) if kind in kinds and ev.get((i, sgn), (0.0, ""))[0] > 0]
+            if len(idx) >= 2:
+                x = x0.copy()
+                x[idx] = np.clip(x0[idx] + sgn * r, sp.lo[idx], sp.hi[idx])
+                whys = [ev[(i, sgn)][1] for i in idx if ev[(i, sgn)][1]]
+                add(x, sum(ev[(i, sgn)][0] for i in idx), f"together: {'; '.join(whys)}" if whys else "together")
+        # A warm pool sized by what it gives back: a second's worth of the
+        # slabs the class returns to the OS, where a step would be too small
+        # to see (each slab given back is a page fault or more to take again).
+        ws = [w for w in self._recent if same(w.knobs, self._inc)][-self.warmup_windows:]
+        to_os = _mean_windows(ws, "slabs_to_os") if ws else None
+        for i, (kind, c) in enumerate(sp.dims):
+            if kind != "warm" or to_os is None or ev.get((i, 1), (0.0, ""))[0] <= 0:
+                continue
+            target = self._inc["warm_slabs"][c] + math.ceil(float(to_os[c]))
+            xt = min(math.log2((target + 1) / (sp.base_warm[c] + 1)), float(sp.hi[i]))
+            if xt > x0[i] + r + 1e-6:
+                x = x0.copy()
+                x[i] = xt
+                add(x, ev[(i, 1)][0] + 1.0, f"{_rate(float(to_os[c]))} slabs/s returned to the OS")
         # Random points in the region, moving a few dimensions at once.
         p = min(1.0, self.random_dims / sp.ndim)
         for _ in range(self.n_random):
@@ -749,7 +816,7 @@ class MissDrivenLearner(_Reports):
 
     name = "missdriven"
 
-    def __init__(self, *, seed: int = 0, miss_ratio: float = 0.01, miss_rate: float = 50.0,
+    def __init__(self, *, seed: int = 0, miss_ratio: float = 0.05, miss_rate: float = 50.0,
                  idle_windows: int = 3, min_cap: int = 4, report_every: int = 10):
         self.seed = seed      # deterministic anyway; kept so every learner takes it
         self.miss_ratio, self.miss_rate = miss_ratio, miss_rate
@@ -785,10 +852,14 @@ class MissDrivenLearner(_Reports):
             a, r = float(w.allocs[c]), float(w.refills[c])
             if a > 0:
                 self._idle[c] = 0
-                if r > self.miss_rate and r / a > self.miss_ratio and cap < self.ctx.cap_max[c]:
+                # A miss is a block the cache did not have: a refill brings a
+                # batch of them, so count blocks, not refills (a cache cycling
+                # through 512-block batches misses on every block it hands out).
+                missed = r * k["tcache_batch"][c] / a
+                if r > self.miss_rate and missed > self.miss_ratio and cap < self.ctx.cap_max[c]:
                     new = min(max(cap * 2, 1), self.ctx.cap_max[c])
                     changes.append(f"grow cap@{self.ctx.class_size[c]}B {cap}->{new} "
-                                   f"(refills {_rate(r)}/s, {r / a * 100:.2g}% of allocs)")
+                                   f"(refills {_rate(r)}/s, {min(missed, 1) * 100:.2g}% of blocks from refills)")
                     self._set_cap(k, c, new)
                 continue
             self._idle[c] += 1
@@ -856,8 +927,7 @@ class StaticLearner(_Reports):
         if w.knobs is None:
             return None
         self._inactive = not w.busy
-        if not self._inactive:
-            _push(self._pending, self._meter.add(w))
+        _push(self._pending, self._meter.add(w))
         return None
 
     def incumbent(self) -> tuple[dict, float | None]:

@@ -429,10 +429,27 @@ def test_gp_ignores_transitions_and_foreign_policies():
     for i in range(20):
         assert lrn.observe(sim.window(i, ctx.default, None)) is None
         assert lrn.observe(sim.window(i, other, other)) is None
-        idle = sim.window(i, ctx.default, ctx.default)
-        idle.active = False
-        assert lrn.observe(idle) is None
-    assert lrn.state() == "idle" and lrn.incumbent() == (ctx.default, None)
+    assert lrn.incumbent() == (ctx.default, None)
+
+
+def test_gp_counts_quiet_windows_as_evidence_of_cost():
+    """A program that sleeps most of the time writes few records, but what
+    its policy costs (memory parked in its caches) is measured all the same:
+    quiet windows under the incumbent complete the warm-up, and the learner
+    says the program is idle."""
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    decisions = []
+    for i in range(GPLearner().warmup_windows + 1):
+        quiet = sim.window(i, ctx.default, ctx.default)
+        quiet.active, quiet.cpu = False, 0.0
+        decisions.append(lrn.observe(quiet))
+        if decisions[-1] is None:
+            assert lrn.state() == "idle"
+    assert any(d is not None and d.kind == "explore" for d in decisions), decisions
+    assert lrn.incumbent()[1] is not None
 
 
 def test_gp_is_scale_free():
@@ -525,3 +542,23 @@ def test_registry_names_and_options():
         lrn = cls(seed=3)
         assert lrn.name == name
         assert lrn.state() == "idle"
+
+
+def test_gp_abandons_a_candidate_the_program_never_applies():
+    """A program that runs no slow path never takes up a new snapshot: its
+    windows stay transitions. The learner goes back to the incumbent and
+    settles instead of waiting for evidence that cannot come."""
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    dec = None
+    i = 0
+    while dec is None:
+        dec = lrn.observe(sim.window(i, ctx.default, ctx.default))
+        i += 1
+    assert dec.kind == "explore" and not same(dec.knobs, ctx.default)
+    outs = [lrn.observe(sim.window(i + j, ctx.default, None)) for j in range(GPLearner().stall_windows)]
+    assert all(o is None for o in outs[:-1])
+    assert outs[-1] is not None and outs[-1].kind == "rollback" and same(outs[-1].knobs, ctx.default)
+    assert "did not apply" in outs[-1].reason and lrn.state() == "settled"

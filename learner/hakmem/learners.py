@@ -336,7 +336,7 @@ class GPLearner(_Reports):
     def __init__(self, *, seed: int = 0, radius: float = 1.0, radius_min: float = 0.25,
                  radius_max: float = 2.0, shrink: float = 0.5, grow: float = 1.5, warmup_windows: int = 3,
                  trial_windows: int = 3, remeasure_every: int = 4, remeasure_windows: int = 3,
-                 settle_after: int = 3, report_every: int = 10, mix_threshold: float = 0.3,
+                 settle_after: int = 3, report_every: int = 10, mix_threshold: float = 0.5,
                  trial_windows_max: int = 8, flat_after: int = 6, stall_windows: int = 10,
                  mix_windows: int = 3, max_hot: int = 3, n_random: int = 64, min_margin: float = 0.005,
                  prior_sd: float = 0.01, max_points: int = 150, evidence_weight: float = 0.01,
@@ -372,6 +372,7 @@ class GPLearner(_Reports):
         # them that carry allocation counts (a record was written in them).
         self._recent: collections.deque[Window] = collections.deque(maxlen=max(8, self.warmup_windows))
         self._counted: collections.deque[Window] = collections.deque(maxlen=max(8, self.warmup_windows))
+        self._work: collections.deque[float] = collections.deque(maxlen=30)   # allocations/s of counted windows
         self._meter = _Meter(self.report_every)    # explore=False only
         self._idle = False
         self._reset_search()
@@ -404,6 +405,9 @@ class GPLearner(_Reports):
         # mix and the hot classes.
         self._idle = not w.busy
         counted = _active(w)
+        if counted:
+            self._work.append(float(np.sum(w.allocs)))
+            w = self._per_work(w)
         self._recent.append(w)
         if counted:
             self._counted.append(w)
@@ -444,6 +448,16 @@ class GPLearner(_Reports):
         if self.ctx is None:
             raise RuntimeError("incumbent() before start()")
         return self._inc, self._inc_mean()
+
+    def _per_work(self, w: Window) -> Window:
+        """The window with its time cost per unit of the program's usual work.
+        How much a program allocates in one window is its own business (a
+        1 s window over a 400 ms cycle holds two cycles or three); what a
+        policy decides is the allocator time each allocation costs, so the
+        time is scaled to the program's mean allocation rate."""
+        ref = float(np.mean(self._work))
+        t = float(w.time_cost) * ref / float(np.sum(w.allocs))
+        return dataclasses.replace(w, time_cost=t, cost=t + float(w.mem_cost))
 
     def state(self) -> str:
         if self.ctx is None or self._idle:
@@ -486,7 +500,7 @@ class GPLearner(_Reports):
         self._mix_over = 0
         self._trial: _Run | None = None
         self._inc_x: np.ndarray | None = None
-        self._inc_costs: collections.deque[float] = collections.deque(maxlen=6)
+        self._inc_costs: collections.deque[float] = collections.deque(maxlen=10)
         self._inc_run = _Run(self._inc)       # incumbent windows not reported yet
         self._inc_seg = _Run(self._inc)       # the incumbent's current unbroken stretch, for the noise
         self._segments: collections.deque[tuple[float, int]] = collections.deque(maxlen=12)
@@ -615,7 +629,7 @@ class GPLearner(_Reports):
         if verdict == "accepted":
             self._scale += math.log(max(t.mean, 1e-300) / inc)
             self._inc, self._inc_x = t.knobs, t.x
-            self._inc_costs = collections.deque(t.cost, maxlen=6)
+            self._inc_costs = collections.deque(t.cost, maxlen=10)
             self._inc_run, self._inc_seg = _Run(t.knobs), _Run(t.knobs)
             self._radius = min(self._radius * self.grow, self.radius_max)
             self._fails_at_min = 0

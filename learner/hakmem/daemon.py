@@ -760,22 +760,22 @@ def _live_backend(d: Daemon):
             if hot:
                 msg.hot_classes.extend(int(c) for c in hot)
 
-        def on_pin(self, program, policy):
+        def _restart(self, program, kind, message, knobs=None):
+            """A pin or unpin takes effect now: the learner starts again from
+            what the store says the program should run."""
             g = d.programs.get(program["key"])
             if g is None or not g.procs:
                 return
             d._flush_learner(g)
             d._activate(g, next(iter(g.procs.values())))
-            d.event("policy_pinned", f"policy v{policy['version']} pinned by an operator", g,
-                    knobs=policy["knobs"])
+            d.event(kind, message, g, knobs=knobs)
+
+        def on_pin(self, program, policy):
+            self._restart(program, "policy_pinned", f"policy v{policy['version']} pinned by an operator",
+                          policy["knobs"])
 
         def on_unpin(self, program, was):
-            g = d.programs.get(program["key"])
-            if g is None or not g.procs:
-                return
-            d._flush_learner(g)
-            d._activate(g, next(iter(g.procs.values())))
-            d.event("policy_unpinned", "unpinned: learning again from the best known policy", g)
+            self._restart(program, "policy_unpinned", "unpinned: learning again from the best known policy")
 
     return LiveBackend(d.store, run_dir=d.cfg.run_dir, shm_dir=d.cfg.shm_dir)
 

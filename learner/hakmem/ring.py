@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from . import layout as L
+from .objective import proc_stat
 
 DEFAULT_DIR = "/dev/shm/hakmem"
 REJECT_REASONS = {0: "none", 1: "slot version mismatch", 2: "bad checksum", 3: "value out of bounds"}
@@ -50,13 +51,8 @@ def resolve(target, directory=None):
 
 def proc_start_time(pid):
     """Field 22 of /proc/<pid>/stat, or None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rindex(b")") + 2:].split()
-    return int(rest[19])
+    st = proc_stat(pid)
+    return st["start_time"] if st else None
 
 
 def fnv1a64(data, h=0xCBF29CE484222325):

@@ -33,7 +33,7 @@ SHM=$(mktemp -d /dev/shm/hakmem-demo.XXXXXX)
 trap 'rm -rf "$SHM"' EXIT
 LD_PRELOAD="$LIB" HAKMEM_SHM_DIR="$SHM" PYTHONMALLOC=malloc "$PY" - <<'PY' &
 import time
-end = time.time() + 3
+end = time.time() + 6
 while time.time() < end:
     d = [bytes(48) + str(i).encode() for i in range(3000)]   # 64..80-byte objects, in bursts
 PY
@@ -57,31 +57,31 @@ D=$(readlink -f "$BUILD")/demo
 rm -rf "$D"; mkdir -p "$D"
 LEARND=(.venv/bin/hakmem-learnd --foreground --db "$D/learn.db" --shm-dir "$D/shm" --run-dir "$D/run"
         --sample-period 0.5)
-HK=(.venv/bin/hakmem --db "$D/learn.db" --run-dir "$D/run")
+hk() { .venv/bin/hakmem "$@" --db "$D/learn.db" --run-dir "$D/run"; }
 "${LEARND[@]}" 2>"$D/learnd.log" &
 learnd=$!
-trap 'kill $learnd 2>/dev/null; rm -rf "$SHM"' EXIT
+trap 'kill $learnd 2>/dev/null || true; rm -rf "$SHM"' EXIT
 for _ in $(seq 100); do grep -q "ready:" "$D/learnd.log" 2>/dev/null && break; sleep 0.2; done
-"${HK[@]}" events >"$D/events.log" 2>&1 &
+hk events >"$D/events.log" 2>&1 &
 events=$!
 echo "\$ workload burst 64 4000 20   # bursts of 4000 64-byte blocks: the default 1024-block cache overflows"
 LD_PRELOAD="$LIB" HAKMEM_SHM_DIR="$D/shm" "$BUILD/learner/workload" burst 64 4000 20 >"$D/workload.out" &
 wl=$!
 sleep 8
 echo "\$ hakmem status"
-"${HK[@]}" status
+hk status
 wait $wl
 sleep 1
-kill $events 2>/dev/null; wait $events 2>/dev/null
+kill $events 2>/dev/null; wait $events 2>/dev/null || true
 echo
 echo "\$ hakmem events    # what learnd published while it ran"
 sed -n '1,25p' "$D/events.log"
 echo
 echo "\$ hakmem policy list workload"
-"${HK[@]}" policy list workload
+hk policy list workload
 echo
 echo "\$ hakmem policy show workload    # the best policy, where it differs from the default"
-"${HK[@]}" policy show workload
+hk policy show workload
 echo
 echo "\$ sqlite3 $D/learn.db 'SELECT ... FROM evaluations'"
 sqlite3 -header -column "$D/learn.db" "SELECT p.version, e.verdict, e.windows, printf('%.4f', e.cost_mean) AS cost,

@@ -124,16 +124,16 @@ class Store:
                              f"(hakmem-learnd does it at start)")
 
     def migrate(self):
-        todo = migrations()
+        known = migrations()
         try:
             self.db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
                             "name TEXT NOT NULL, applied REAL NOT NULL)")
         except sqlite3.Error as e:
             raise StoreError(_why(e, self.path)) from None
         have = self.schema_version()
-        if have > len(todo):
-            raise StoreError(f"{self.path}: schema version {have} is newer than this hakmem's ({len(todo)})")
-        for version, name, sql in todo[have:]:
+        if have > len(known):
+            raise StoreError(f"{self.path}: schema version {have} is newer than this hakmem's ({len(known)})")
+        for version, name, sql in known[have:]:
             # executescript would COMMIT on its own; statements one by one keep
             # the migration and its record in one transaction.
             with self.tx():

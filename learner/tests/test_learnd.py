@@ -330,3 +330,27 @@ def test_command_line(tmp_path):
     cfg.write_text("sample_period = 'fast'\n")
     r = run("--config", str(cfg))
     assert r.returncode == 1 and "sample_period must be a float" in r.stderr, r.stderr
+
+
+def test_a_person_watches_events_and_status_while_a_program_is_tuned(tmp_path):
+    d = Learnd(tmp_path, "--learner", "gp")
+    cli = [sys.executable, "-m", "hakmem"]
+    where = ["--run-dir", str(d.run), "--db", str(d.db)]
+    try:
+        ev = subprocess.Popen([*cli, "events", "--json", "--count", "2", "--kind", "p", *where], cwd=ROOT,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)   # the subscription is in place before anything happens (ZeroMQ's slow joiner)
+        w = start(["burst", 64, 4000, 8], d.shm)
+        ring_path(d.shm, w.pid)
+        out, err = ev.communicate(timeout=30)
+        assert ev.returncode == 0, err
+        events = [json.loads(line) for line in out.splitlines()]
+        assert events[0]["kind"] == "process_started" and events[0]["pid"] == w.pid, events
+        assert events[1]["kind"].startswith("policy_"), events
+        st = subprocess.run([*cli, "status", "--json", *where], cwd=ROOT, env=clean_env(), capture_output=True,
+                            text=True, timeout=30)
+        status = json.loads(st.stdout)
+        assert st.returncode == 0 and status["status"]["running"] and status["status"]["processes"] == 1, st.stdout
+        finish(w)
+    finally:
+        assert d.stop() == 0, d.text()

@@ -31,6 +31,16 @@ echo
 echo "== the telemetry file: a running python3 seen from outside, and its policy changed live"
 SHM=$(mktemp -d /dev/shm/hakmem-demo.XXXXXX)
 trap 'rm -rf "$SHM"' EXIT
+# A reader's lease on the directory, as learnd holds its own: a process makes
+# its file only while somebody holds it (learner/hakmem/lease.py).
+exec 3< <(exec .venv/bin/python -c 'import sys, time
+from hakmem.lease import Lease
+Lease(sys.argv[1], "tools/demo.sh").acquire()
+print("held", flush=True)
+time.sleep(600)' "$SHM")
+lease=$!
+trap 'kill $lease 2>/dev/null || true; rm -rf "$SHM"' EXIT
+read -r -u 3 _ || { echo "demo: cannot hold the lease on $SHM"; exit 1; }
 LD_PRELOAD="$LIB" HAKMEM_SHM_DIR="$SHM" PYTHONMALLOC=malloc "$PY" - <<'PY' &
 import time
 end = time.time() + 6
@@ -49,6 +59,8 @@ echo
 echo "\$ hakmem ring dump $pid    # 4096 holds a whole burst: no refills, so no slow path at all"
 .venv/bin/hakmem ring dump --dir "$SHM" "$pid"
 wait "$pid"
+kill $lease 2>/dev/null || true
+exec 3<&-
 echo
 echo "== hakmem-learnd tuning a program it has never seen, then remembering it"
 # A private database and directories under build/, so the demo never touches

@@ -37,6 +37,7 @@
   X(huge_allocs, "allocations above the largest class (own mapping)") \
   X(huge_cache_hits, "huge allocations served from the huge cache") \
   X(policy_version, "gauge: version of the policy in force") \
-  X(policies_rejected, "policies rejected by validation")
+  X(policies_rejected, "policies rejected by validation") \
+  X(tel_failures, "telemetry files that could not be made: untrusted directory, name taken by another user, no space; no lease is not a failure")
 
 #endif /* HAKMEM_COUNTERS_H */

@@ -211,6 +211,15 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
     size_t align_map = off > HK_SEG_SIZE ? off : HK_SEG_SIZE;
     size_t end;
     void* base = map_reusing(n, off, map_len, align_map, &end);
+    /* Out of memory (address space, under a `ulimit -v`): everything the
+     * allocator caches goes back to the OS, warm slabs first so that the
+     * segments they leave empty go too, and the mapping gets one more try. */
+    if (!base) {
+      bool any = _hk_trim_warm();
+      any |= _hk_segment_trim();
+      any |= _hk_huge_trim();
+      if (any) base = map_reusing(n, off, map_len, align_map, &end);
+    }
     if (!base) { errno = ENOMEM; return NULL; }
     dirty = end > off ? end - off : 0;
     _hk_lock(&huge_lock);

@@ -216,6 +216,8 @@ void _hk_tel_tick(uint64_t now_coarse_ns);
 void _hk_tel_exit(const hk_stats_t* st);
 void _hk_tel_after_fork_child(void);
 void _hk_tel_write_in_force(const hk_policy_t* p);     /* policy lock held */
+/* The stats table's line: "telemetry: on, PATH" or "telemetry: off: why". */
+size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures);
 /* init.c */
 void        _hk_init(void);
 hk_tcache_t* _hk_tcache_setup(void);                   /* first slow path */

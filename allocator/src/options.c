@@ -51,7 +51,7 @@ static hk_option_t options[OPT_COUNT] = {
   [OPT_DRAIN_MS]     = {"HAKMEM_DRAIN_MS",   1000, 0, 3600000, "ms",     "idle thread-cache drain interval, 0 = never"},
   [OPT_STATS]        = {"HAKMEM_STATS",         0, 0, 1,       "bool",   "print the per-class table at exit"},
   [OPT_CHECK]        = {"HAKMEM_CHECK",         0, 0, 1,       "bool",   "stricter checks: no thread cache, exact double-free detection, freed-block canaries"},
-  [OPT_TELEMETRY]    = {"HAKMEM_TELEMETRY",     1, 0, 1,       "bool",   "publish counters to HAKMEM_SHM_DIR when that directory exists"},
+  [OPT_TELEMETRY]    = {"HAKMEM_TELEMETRY",     1, 0, 1,       "bool",   "publish counters to HAKMEM_SHM_DIR while a reader holds its lease"},
   [OPT_TELEMETRY_MS] = {"HAKMEM_TELEMETRY_MS", 100, 10, 60000, "ms",     "minimum interval between telemetry records"},
 };
 

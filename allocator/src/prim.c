@@ -3,7 +3,9 @@
 #include "prim.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,6 +27,41 @@ int _hk_os_unmap(void* p, size_t len) {
   return munmap(p, len) == 0 ? 0 : errno;
 }
 
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000   /* Linux 4.17; older kernels take it as a hint */
+#endif
+
+/* len bytes at exactly `at`, never replacing a mapping there; ENOMEM when
+ * the kernel put them elsewhere (a kernel without MAP_FIXED_NOREPLACE). */
+static int map_at(void* at, size_t len, bool reserve, void** out) {
+  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  void* p = mmap(at, len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE | (reserve ? MAP_NORESERVE : 0), -1, 0);
+  *out = NULL;
+  if (p == MAP_FAILED) return errno ? errno : ENOMEM;
+  if (p != at) { _hk_os_unmap(p, len); return ENOMEM; }
+  *out = p;
+  return 0;
+}
+
+/* The slack did not fit (RLIMIT_AS counts it, MAP_NORESERVE or not): an
+ * exact-size mapping, kept when it happens to be aligned; else the same
+ * length at the aligned address just below it. The kernel places mappings
+ * top-down at the top of the highest gap that fits, so below is where free
+ * address space usually is. Three or four calls, on this path only. */
+static int map_aligned_exact(size_t len, size_t align, bool reserve, void** out) {
+  void* p;
+  int err = map_raw(len, reserve, &p);
+  if (err) return err;
+  if (((uintptr_t)p & (align - 1)) == 0) { *out = p; return 0; }
+  uintptr_t below = (uintptr_t)p & ~(uintptr_t)(align - 1);
+  _hk_os_unmap(p, len);
+  /* Whatever stops it there (EEXIST: something is mapped below), the
+   * caller hears what it would have: no room. */
+  if (below == 0 || map_at((void*)below, len, reserve, out) != 0) return ENOMEM;
+  return 0;
+}
+
 int _hk_os_map_aligned(size_t len, size_t align, bool reserve, void** out) {
   *out = NULL;
   if (align < HK_OS_PAGE) align = HK_OS_PAGE;
@@ -36,6 +73,7 @@ int _hk_os_map_aligned(size_t len, size_t align, bool reserve, void** out) {
   int err;
   if (align == HK_OS_PAGE) return map_raw(len, reserve, out);
   err = map_raw(len + align, reserve, &p);
+  if (err == ENOMEM) return map_aligned_exact(len, align, reserve, out);
   if (err) return err;
   uintptr_t a = ((uintptr_t)p + align - 1) & ~(uintptr_t)(align - 1);
   size_t head = a - (uintptr_t)p;
@@ -101,3 +139,85 @@ void _hk_os_write(int fd, const char* buf, size_t len) {
     len -= (size_t)w;
   }
 }
+
+/* ---- the telemetry directory and its files ------------------------------------ */
+static void describe(const struct stat* sb, hk_file_info_t* info) {
+  info->dev = (uint64_t)sb->st_dev;
+  info->ino = (uint64_t)sb->st_ino;
+  info->uid = (uint32_t)sb->st_uid;
+  info->mode = (uint32_t)sb->st_mode;
+}
+
+/* Opens with flags and describes the result; closes it when fstat fails. */
+static int open_described(int dfd, const char* name, int flags, int* fd, hk_file_info_t* info) {
+  int f;
+  do f = dfd >= 0 ? openat(dfd, name, flags) : open(name, flags);
+  while (f < 0 && errno == EINTR);
+  if (f < 0) { *fd = -1; return errno; }
+  struct stat sb;
+  if (fstat(f, &sb) != 0) { int err = errno; close(f); *fd = -1; return err; }
+  describe(&sb, info);
+  *fd = f;
+  return 0;
+}
+
+int _hk_os_open_dir(const char* path, int* fd, hk_file_info_t* info) {
+  return open_described(-1, path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, fd, info);
+}
+
+int _hk_os_open_read_at(int dfd, const char* name, int* fd, hk_file_info_t* info) {
+  return open_described(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, fd, info);
+}
+
+int _hk_os_write_locked(int fd, bool* locked) {
+  /* OFD commands want l_pid 0; F_RDLCK conflicts only with write locks. */
+  struct flock fl;
+  memset(&fl, 0, sizeof fl);
+  fl.l_type = F_RDLCK;
+  fl.l_whence = SEEK_SET;
+  *locked = false;
+  if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return errno;
+  *locked = fl.l_type == F_WRLCK;
+  return 0;
+}
+
+int _hk_os_create_at(int dfd, const char* name, int* fd, hk_file_info_t* info) {
+  int f;
+  do f = openat(dfd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  while (f < 0 && errno == EINTR);
+  if (f < 0) { *fd = -1; return errno; }
+  struct stat sb;
+  /* 0600 whatever the umask: the owner reads it back after an exec. */
+  if (fchmod(f, 0600) != 0 || fstat(f, &sb) != 0) {
+    int err = errno;
+    close(f);
+    unlinkat(dfd, name, 0);
+    *fd = -1;
+    return err;
+  }
+  describe(&sb, info);
+  *fd = f;
+  return 0;
+}
+
+int _hk_os_stat_at(int dfd, const char* name, hk_file_info_t* info) {
+  struct stat sb;
+  if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return errno;
+  describe(&sb, info);
+  return 0;
+}
+
+int _hk_os_unlink_at(int dfd, const char* name) {
+  return unlinkat(dfd, name, 0) == 0 ? 0 : errno;
+}
+
+int _hk_os_reserve_file(int fd, size_t len) {
+  int err;
+  do err = fallocate(fd, 0, 0, (off_t)len) == 0 ? 0 : errno;
+  while (err == EINTR);
+  return err;
+}
+
+void _hk_os_close(int fd) { if (fd >= 0) close(fd); }
+
+uint32_t _hk_os_euid(void) { return (uint32_t)geteuid(); }

@@ -17,6 +17,8 @@
  * (MAP_NORESERVE: address space for segments, committed page by page as
  * slabs are used); without it, the kernel's overcommit policy judges the
  * whole length at once, so an absurd request fails as it does in glibc.
+ * When the slack needed for the alignment does not fit (ENOMEM: RLIMIT_AS
+ * counts every mapping), an exact-size aligned mapping is tried instead.
  * *out is NULL on failure. */
 int _hk_os_map_aligned(size_t len, size_t align, bool reserve, void** out);
 int _hk_os_unmap(void* p, size_t len);
@@ -32,6 +34,37 @@ int _hk_os_shrink(void* p, size_t old_len, size_t new_len);
 /* Maps len bytes of file fd shared (the telemetry file), and unmaps it. */
 int _hk_os_map_file(int fd, size_t len, void** out);
 int _hk_os_unmap_file(void* p, size_t len);
+
+/* ---- the telemetry directory and its files (telemetry.c says what is
+ * checked and why). Nothing here follows a symbolic link in the last
+ * component or blocks on a FIFO. */
+typedef struct hk_file_info_s {
+  uint64_t dev, ino;
+  uint32_t uid;     /* owner */
+  uint32_t mode;    /* st_mode: type and permission bits */
+} hk_file_info_t;
+/* Opens a directory (O_RDONLY|O_DIRECTORY|O_NOFOLLOW) and describes it:
+ * a symbolic link fails with ELOOP or ENOTDIR. */
+int _hk_os_open_dir(const char* path, int* fd, hk_file_info_t* info);
+/* Opens dfd/name read-only without following a link or waiting for a
+ * FIFO's writer (O_NONBLOCK), and describes what it opened. */
+int _hk_os_open_read_at(int dfd, const char* name, int* fd, hk_file_info_t* info);
+/* Whether another open file description holds a write lock on some byte
+ * of fd (F_OFD_GETLK with F_RDLCK; no lock is taken). */
+int _hk_os_write_locked(int fd, bool* locked);
+/* Creates dfd/name, mode 0600, failing with EEXIST when any file (or a
+ * link) is there already, and describes it. */
+int _hk_os_create_at(int dfd, const char* name, int* fd, hk_file_info_t* info);
+/* Describes dfd/name itself (a link is described, not followed). */
+int _hk_os_stat_at(int dfd, const char* name, hk_file_info_t* info);
+int _hk_os_unlink_at(int dfd, const char* name);
+/* Allocates the blocks of [0, len) of fd now (fallocate, mode 0), so that
+ * writing them through a mapping can never fail: ENOSPC when the
+ * filesystem is full, EOPNOTSUPP where it cannot reserve (no fallback that
+ * writes zeros: a filesystem that cannot promise the blocks gets no file). */
+int _hk_os_reserve_file(int fd, size_t len);
+void _hk_os_close(int fd);
+uint32_t _hk_os_euid(void);
 /* Monotonic clock in nanoseconds (vDSO, no syscall). */
 uint64_t _hk_os_now_ns(void);
 /* Coarse monotonic clock (a few ms resolution, cheapest to read). */

@@ -44,19 +44,31 @@ static void list_remove(hk_segment_t* s) {
   s->in_list = 0;
 }
 
+/* Address space for new segments, HK_RESERVE_SEGMENTS at a time (one mmap
+ * for many segments), or fewer when that much does not fit: a reservation
+ * counts against RLIMIT_AS in full, MAP_NORESERVE or not, so under a
+ * `ulimit -v` the last megabytes are reached one segment at a time. */
+static bool reserve_more(void) {
+  for (uintptr_t n = HK_RESERVE_SEGMENTS; n >= 1; n /= 2) {
+    void* base;
+    int err = _hk_os_map_aligned(n * HK_SEG_SIZE, HK_SEG_SIZE, true, &base);
+    if (err == 0) {
+      reserve_next = (uintptr_t)base;
+      reserve_end = reserve_next + n * HK_SEG_SIZE;
+      return true;
+    }
+    if (err != ENOMEM) return false;
+  }
+  return false;
+}
+
 static hk_segment_t* segment_new(void) {
   if (seg_cache_count > 0) {
     hk_segment_t* s = seg_cache[--seg_cache_count];
     HK_ASSERT(s->free_pages == ALL_SLAB_PAGES);
     return s;
   }
-  if (reserve_next == reserve_end) {
-    void* base;
-    if (_hk_os_map_aligned(HK_RESERVE_SEGMENTS * HK_SEG_SIZE, HK_SEG_SIZE, true, &base) != 0)
-      return NULL;
-    reserve_next = (uintptr_t)base;
-    reserve_end = reserve_next + HK_RESERVE_SEGMENTS * HK_SEG_SIZE;
-  }
+  if (reserve_next == reserve_end && !reserve_more()) return NULL;
   hk_segment_t* s = (hk_segment_t*)reserve_next;
   reserve_next += HK_SEG_SIZE;
   /* Fresh anonymous memory is zero: only the non-zero fields are set. */

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #define HK_SHM_MAGIC          0x3130474e49524b48ull  /* "HKRING01" little-endian */
-#define HK_SHM_LAYOUT_VERSION 1u
+#define HK_SHM_LAYOUT_VERSION 2u
 #define HK_SHM_NUM_CLASSES    61u
 #define HK_SHM_RING_SLOTS     128u
 #define HK_SHM_HEADER_SIZE    4096u
@@ -25,8 +25,9 @@ typedef struct {
   uint64_t huge_cache_hits;  /* @56: huge allocations served from the huge cache */
   uint64_t policy_version;  /* @64: gauge: version of the policy in force */
   uint64_t policies_rejected;  /* @72: policies rejected by validation */
+  uint64_t tel_failures;  /* @80: telemetry files that could not be made: untrusted directory, name taken by another user, no space; no lease is not a failure */
 } hk_shm_proc_t;
-_Static_assert(sizeof(hk_shm_proc_t) == 80, "proc_counters size");
+_Static_assert(sizeof(hk_shm_proc_t) == 88, "proc_counters size");
 _Static_assert(offsetof(hk_shm_proc_t, mmap_calls) == 0, "proc_counters.mmap_calls");
 _Static_assert(offsetof(hk_shm_proc_t, munmap_calls) == 8, "proc_counters.munmap_calls");
 _Static_assert(offsetof(hk_shm_proc_t, madvise_calls) == 16, "proc_counters.madvise_calls");
@@ -37,6 +38,7 @@ _Static_assert(offsetof(hk_shm_proc_t, huge_allocs) == 48, "proc_counters.huge_a
 _Static_assert(offsetof(hk_shm_proc_t, huge_cache_hits) == 56, "proc_counters.huge_cache_hits");
 _Static_assert(offsetof(hk_shm_proc_t, policy_version) == 64, "proc_counters.policy_version");
 _Static_assert(offsetof(hk_shm_proc_t, policies_rejected) == 72, "proc_counters.policies_rejected");
+_Static_assert(offsetof(hk_shm_proc_t, tel_failures) == 80, "proc_counters.tel_failures");
 
 typedef struct {
   uint64_t allocs;  /* @0: blocks handed out */
@@ -81,14 +83,14 @@ typedef struct {
   uint64_t index;  /* @8: record number (ring_head when it was written) */
   uint64_t time_ns;  /* @16: CLOCK_MONOTONIC at the record, ns */
   hk_shm_proc_t proc;  /* @24: process counters */
-  hk_shm_class_t cls[61];  /* @104: per-class counters */
+  hk_shm_class_t cls[61];  /* @112: per-class counters */
 } hk_shm_record_t;
-_Static_assert(sizeof(hk_shm_record_t) == 8400, "record size");
+_Static_assert(sizeof(hk_shm_record_t) == 8408, "record size");
 _Static_assert(offsetof(hk_shm_record_t, seq) == 0, "record.seq");
 _Static_assert(offsetof(hk_shm_record_t, index) == 8, "record.index");
 _Static_assert(offsetof(hk_shm_record_t, time_ns) == 16, "record.time_ns");
 _Static_assert(offsetof(hk_shm_record_t, proc) == 24, "record.proc");
-_Static_assert(offsetof(hk_shm_record_t, cls) == 104, "record.cls");
+_Static_assert(offsetof(hk_shm_record_t, cls) == 112, "record.cls");
 
 typedef struct {
   uint64_t version;  /* @0: snapshot version this slot carries */
@@ -204,6 +206,7 @@ _Static_assert(offsetof(hk_shm_header_t, _reserved) == 1192, "header._reserved")
   X(hk_shm_proc_t, huge_cache_hits) \
   X(hk_shm_proc_t, policy_version) \
   X(hk_shm_proc_t, policies_rejected) \
+  X(hk_shm_proc_t, tel_failures) \
   X(hk_shm_class_t, allocs) \
   X(hk_shm_class_t, hits) \
   X(hk_shm_class_t, frees) \

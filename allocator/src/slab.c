@@ -202,6 +202,23 @@ static void release_all(hk_slab_t* s) {
   }
 }
 
+/* Out of memory: the slabs every class keeps warm and the huge mappings
+ * kept for reuse go back to the OS (their pages and address space are then
+ * free for this class's new slab), and take_blocks gets one more try. The
+ * segment cache is left: a new slab takes a cached segment before it maps
+ * anything, so it was empty when the slab could not be had. Runs with no
+ * lock held: trimming takes each class lock in turn. */
+static HK_NOINLINE uint32_t take_after_trim(hk_central_t* c, unsigned cls, uint32_t n,
+                                            void** head, uint32_t tid) {
+  bool any = _hk_trim_warm();
+  any |= _hk_huge_trim();
+  if (!any) return 0;
+  _hk_lock(&c->lock);
+  uint32_t got = take_blocks(c, cls, n, head, tid);
+  _hk_unlock(&c->lock);
+  return got;
+}
+
 void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   hk_central_t* c = &_hk_central[cls];
@@ -214,6 +231,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   _hk_lock(&c->lock);
   uint32_t got = take_blocks(c, cls, want, &head, tc->tid);
   _hk_unlock(&c->lock);
+  if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, want, &head, tc->tid);
   hk_add_relaxed(&c->c.refills, 1);
   hk_add_relaxed(&c->c.refill_blocks, got);
   hk_add_relaxed(&c->c.slow_ns, ticks() - t0);   /* ticks; stats.c converts */
@@ -264,6 +282,7 @@ void* _hk_alloc_direct(unsigned cls) {
   _hk_lock(&c->lock);
   uint32_t got = take_blocks(c, cls, 1, &b, _hk_tc.tid);
   _hk_unlock(&c->lock);
+  if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, 1, &b, _hk_tc.tid);
   if (!got) return NULL;
   hk_add_relaxed(&c->c.refills, 1);
   hk_add_relaxed(&c->c.refill_blocks, 1);

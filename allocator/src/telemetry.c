@@ -1,19 +1,36 @@
 /* telemetry.c — the shared-memory file: counters out, policy snapshots in.
  *
  * When the telemetry directory exists (HAKMEM_SHM_DIR, default
- * /dev/shm/hakmem; HAKMEM_TELEMETRY=0 turns this off) the process maps one
- * file <dir>/<pid>-<starttime>, laid out as schemas/shm_layout.json says
- * (shm_layout.h): a header, a ring of records of every counter, and the
- * policy area where hakmem-learnd writes snapshots.
+ * /dev/shm/hakmem; HAKMEM_TELEMETRY=0 turns this off) and a reader holds
+ * its lease, the process maps one file <dir>/<pid>-<starttime>, laid out as
+ * schemas/shm_layout.json says (shm_layout.h): a header, a ring of records
+ * of every counter, and the policy area where hakmem-learnd writes
+ * snapshots.
  *
  * Nothing here runs on the fast path. The slow path calls _hk_tel_tick with
  * the coarse clock it already read: every HAKMEM_TELEMETRY_MS (default 100)
  * one thread writes a record, and on every call it compares the snapshot
  * version word with the last one it examined (one load).
  *
+ * TRUST (DESIGN.md "Shared memory"; the reader's side is learner/hakmem).
+ * The directory is shared by every user, so nothing in it may crash, hang
+ * or steer this process:
+ *  - the directory is opened without following a link and accepted only
+ *    when owned by root or our effective user and, if others may write it,
+ *    sticky (no other user can then remove or replace our file);
+ *  - a file is made only while a reader holds the lease (lease_held;
+ *    learner/hakmem/lease.py CONTRACT), so without learnd nothing piles up;
+ *  - the file's blocks are reserved (fallocate) before the mapping is
+ *    written: a full filesystem means no telemetry, never SIGBUS;
+ *  - at exit the name is removed only if it still leads to our file in our
+ *    directory (both compared by device and inode);
+ *  - every way this fails is counted (tel_failures) and the last reason is
+ *    printed by the HAKMEM_STATS table (_hk_tel_describe), except "no
+ *    directory" and "no lease", which are how a machine without learnd is.
+ *
  * SYNCHRONIZATION
- *  1. tel.lock (try-lock) makes one thread at a time write records and
- *     examine snapshots; a thread that finds it taken moves on.
+ *  1. tel.lock (try-lock) makes one thread at a time make the file, write
+ *     records and examine snapshots; a thread that finds it taken moves on.
  *  2. Records are seqlocked: seq odd while a slot is written, even after
  *     (release); ring_head is stored with release after the record.
  *  3. Snapshots: the writer fills slot[v % 2], then stores v with release.
@@ -23,9 +40,16 @@
  *     counted; the policy in force stays.
  *  4. in_force is written under the policy lock (options.c), checksum last;
  *     readers retry on a checksum mismatch.
- *  5. The file is made on the first tick an epoch after start (see
- *     _hk_tel_start). Fork: the child unmaps the parent's file (without
- *     removing it) and makes its own on its first tick.
+ *  5. The file is made on a tick (under tel.lock): the first try one epoch
+ *     after start (see _hk_tel_start), then, while it cannot be made (no
+ *     directory, no lease, a failure), again after 1 s, 2 s, ... 16 s, so a
+ *     service started before learnd is picked up.
+ *  6. tel.why (the outcome of the last try, with its argument) is one
+ *     atomic word: stored with release under tel.lock after tel.path, read
+ *     with acquire by the stats printer, which takes no lock.
+ *  7. Fork: the child unmaps the parent's file (without removing it) and
+ *     waits an epoch like a new process before it makes its own, so a child
+ *     that ends early (with _exit, which runs no destructor) leaves nothing.
  */
 #define _GNU_SOURCE
 #include <elf.h>
@@ -46,6 +70,28 @@ _Static_assert(HK_SHM_NUM_CLASSES == HK_NUM_CLASSES, "layout and allocator agree
 
 enum { TEL_OFF = 0, TEL_ON = 1, TEL_PENDING = 2 };
 enum { REJ_NONE = 0, REJ_SLOT_VERSION = 1, REJ_CHECKSUM = 2, REJ_BOUNDS = 3 };
+/* Why telemetry is (not) on: the outcome of the last try. The ones from
+ * WHY_DIR_LINK on are failures, counted in tel_failures; the argument (a
+ * uid or an errno) is kept with it. */
+enum {
+  WHY_DISABLED = 0,     /* HAKMEM_TELEMETRY=0 (or never started) */
+  WHY_ON,               /* the file is made (and removed at exit) */
+  WHY_WAITING,          /* not tried yet: the first try is one epoch after start */
+  WHY_NO_DIR,           /* the directory does not exist (no learnd) */
+  WHY_NO_LEASE,         /* nobody holds learnd.lock */
+  WHY_LEASE_UNTRUSTED,  /* learnd.lock is not a regular file of root or ours (arg: owner) */
+  WHY_DIR_LINK,         /* the directory is a symbolic link or not a directory */
+  WHY_DIR_OWNER,        /* the directory belongs to another user (arg: owner) */
+  WHY_DIR_MODE,         /* others may write it and it is not sticky */
+  WHY_NAME_TAKEN,       /* our name exists and is not our file (arg: owner) */
+  WHY_NO_SPACE,         /* the filesystem cannot hold the file's blocks */
+  WHY_ERROR,            /* another error (arg: errno) */
+};
+#define WHY_FIRST_FAILURE WHY_DIR_LINK
+
+#define LEASE_NAME "learnd.lock"   /* learner/hakmem/lease.py NAME */
+#define RETRY_FIRST_NS 1000000000ull
+#define RETRY_MAX_NS   16000000000ull
 
 bool _hk_tel_on;   /* read on the slow path: a file is mapped or pending */
 
@@ -59,11 +105,20 @@ static struct {
   uint64_t epoch_ns;
   uint64_t next_ns;           /* next record due (coarse clock) */
   uint64_t last_seen;         /* snapshot version examined last */
+  uint64_t retry_ns;          /* PENDING: wait before the try after the next */
+  _Atomic uint64_t why;       /* WHY_* << 32 | its argument (point 6) */
+  uint64_t dir_dev, dir_ino;  /* the directory the file was made in */
+  uint64_t file_dev, file_ino;
   char dir[512];
+  char name[64];              /* <pid>-<starttime> */
   char path[600];
   hk_shm_record_t prev;       /* last record written, for monotonic counters */
   hk_stats_t st;              /* scratch (8 KiB: off the thread stacks) */
 } tel HK_SPARSE_BSS;          /* 17 KiB nobody touches with telemetry off */
+
+static void set_why(unsigned why, uint32_t arg) {
+  hk_store_release(&tel.why, (uint64_t)why << 32 | arg);
+}
 
 /* ---- policy slots ------------------------------------------------------------ */
 /* FNV-1a 64 over the version and the slot after the checksum field. */
@@ -267,37 +322,103 @@ static void fill_header(hk_shm_header_t* h, uint32_t pid, uint64_t start_time) {
   memcpy(h->hakmem_version, HK_VERSION_STRING, sizeof HK_VERSION_STRING);
 }
 
-/* Creates and maps this process's file; false leaves telemetry off. */
+/* A try that did not make the file: why (counted when it is a failure). */
+static bool not_made(unsigned why, uint32_t arg) {
+  set_why(why, arg);
+  if (why >= WHY_FIRST_FAILURE) hk_add_relaxed(&_hk_proc.tel_failures, 1);
+  return false;
+}
+
+/* Whether a reader holds the directory's lease (learner/hakmem/lease.py
+ * CONTRACT): learnd.lock is a regular file of root or of our effective
+ * user, and another open file description holds a write lock on it. It is
+ * opened without following a link and without waiting for a FIFO's writer;
+ * we only test for the lock (F_OFD_GETLK), never take one. */
+static bool lease_held(int dfd, uint32_t euid) {
+  int fd;
+  hk_file_info_t l;
+  if (_hk_os_open_read_at(dfd, LEASE_NAME, &fd, &l) != 0) return not_made(WHY_NO_LEASE, 0);
+  bool locked = false;
+  bool trusted = S_ISREG(l.mode) && (l.uid == 0 || l.uid == euid);
+  if (trusted && _hk_os_write_locked(fd, &locked) != 0) locked = false;
+  _hk_os_close(fd);
+  if (!trusted) return not_made(WHY_LEASE_UNTRUSTED, l.uid);
+  if (!locked) return not_made(WHY_NO_LEASE, 0);
+  return true;
+}
+
+/* Creates <dir>/<name> (dfd), replacing a file our own image left there
+ * before an exec (same pid and start time, so the same name). */
+static int create_named(int dfd, uint32_t euid, int* fd, hk_file_info_t* f) {
+  int err = 0;
+  for (int attempt = 0; attempt < 2; attempt++) {
+    err = _hk_os_create_at(dfd, tel.name, fd, f);
+    if (err != EEXIST) return err;
+    hk_file_info_t old;
+    if (_hk_os_stat_at(dfd, tel.name, &old) != 0) continue;   /* gone meanwhile */
+    if (old.uid != euid || !S_ISREG(old.mode)) {
+      f->uid = old.uid;
+      return EEXIST;
+    }
+    if (_hk_os_unlink_at(dfd, tel.name) != 0) break;
+  }
+  f->uid = euid;
+  return err;
+}
+
+/* Tries to make and map this process's file (tel.lock held); false leaves
+ * it PENDING with the reason in tel.why. */
 static bool create_file(void) {
   /* The directory first: without it (no learnd) a process pays one failed
    * open and nothing else. */
-  int dfd = open(tel.dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return false;
+  int dfd;
+  hk_file_info_t d;
+  int err = _hk_os_open_dir(tel.dir, &dfd, &d);
+  if (err == ENOENT) return not_made(WHY_NO_DIR, 0);
+  if (err == ELOOP || err == ENOTDIR) return not_made(WHY_DIR_LINK, 0);
+  if (err) return not_made(WHY_ERROR, (uint32_t)err);
+  uint32_t euid = _hk_os_euid();
+  bool ok = false;
+  if (d.uid != 0 && d.uid != euid)
+    not_made(WHY_DIR_OWNER, d.uid);
+  else if ((d.mode & (S_IWGRP | S_IWOTH)) && !(d.mode & S_ISVTX))
+    not_made(WHY_DIR_MODE, 0);
+  else if (lease_held(dfd, euid))
+    ok = true;
+  if (!ok) { _hk_os_close(dfd); return false; }
+
   uint32_t pid = (uint32_t)getpid();
   uint64_t start_time = read_start_time();
-  char name[64];
-  _hk_fmt(name, sizeof name, "%lu-%lu", (uint64_t)pid, start_time);
-  _hk_fmt(tel.path, sizeof tel.path, "%s/%s", tel.dir, name);
-  int fd = -1;
-  for (int attempt = 0; attempt < 2 && fd < 0; attempt++) {
-    fd = openat(dfd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd >= 0 || errno != EEXIST) break;
-    /* Same pid and start time: a file our own image left before exec. */
-    struct stat sb;
-    if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0 || sb.st_uid != getuid() ||
-        !S_ISREG(sb.st_mode) || unlinkat(dfd, name, 0) != 0)
-      break;
+  _hk_fmt(tel.name, sizeof tel.name, "%lu-%lu", (uint64_t)pid, start_time);
+  _hk_fmt(tel.path, sizeof tel.path, "%s/%s", tel.dir, tel.name);
+  int fd;
+  hk_file_info_t f;
+  err = create_named(dfd, euid, &fd, &f);
+  if (err) {
+    _hk_os_close(dfd);
+    if (err == EEXIST) return not_made(WHY_NAME_TAKEN, f.uid);
+    return not_made(err == ENOSPC || err == EDQUOT ? WHY_NO_SPACE : WHY_ERROR, (uint32_t)err);
   }
-  close(dfd);
-  if (fd < 0) return false;
   size_t len = HK_SHM_HEADER_SIZE + (size_t)HK_SHM_RING_SLOTS * sizeof(hk_shm_record_t) +
                sizeof(hk_shm_policy_area_t);
   len = (len + HK_OS_PAGE - 1) & ~(size_t)(HK_OS_PAGE - 1);
+  /* Every block the mapping will write is allocated now: a write through a
+   * mapping to a block the filesystem cannot supply is SIGBUS, and any user
+   * can fill /dev/shm. */
   void* map = NULL;
-  bool ok = fchmod(fd, 0600) == 0 && ftruncate(fd, (off_t)len) == 0 &&
-            _hk_os_map_file(fd, len, &map) == 0;
-  close(fd);
-  if (!ok) { unlink(tel.path); return false; }
+  err = _hk_os_reserve_file(fd, len);
+  if (err == 0) err = _hk_os_map_file(fd, len, &map);
+  _hk_os_close(fd);
+  if (err) {
+    _hk_os_unlink_at(dfd, tel.name);
+    _hk_os_close(dfd);
+    return not_made(err == ENOSPC || err == EDQUOT ? WHY_NO_SPACE : WHY_ERROR, (uint32_t)err);
+  }
+  _hk_os_close(dfd);
+  tel.dir_dev = d.dev;
+  tel.dir_ino = d.ino;
+  tel.file_dev = f.dev;
+  tel.file_ino = f.ino;
   tel.len = len;
   tel.hdr = map;
   tel.ring = (hk_shm_record_t*)((char*)map + HK_SHM_HEADER_SIZE);
@@ -307,7 +428,21 @@ static bool create_file(void) {
   fill_header(tel.hdr, pid, start_time);
   _hk_policy_publish_in_force();
   hk_store_release((_Atomic uint64_t*)&tel.hdr->magic, HK_SHM_MAGIC);
+  set_why(WHY_ON, 0);
   return true;
+}
+
+/* Removes our file at exit, only if <dir> is still the directory it was
+ * made in and the name still leads to it: the directory may have been
+ * renamed and replaced meanwhile, and what is there now is not ours. */
+static void remove_file(void) {
+  int dfd;
+  hk_file_info_t d, f;
+  if (_hk_os_open_dir(tel.dir, &dfd, &d) != 0) return;
+  if (d.dev == tel.dir_dev && d.ino == tel.dir_ino &&
+      _hk_os_stat_at(dfd, tel.name, &f) == 0 && f.dev == tel.file_dev && f.ino == tel.file_ino)
+    _hk_os_unlink_at(dfd, tel.name);
+  _hk_os_close(dfd);
 }
 
 HK_INLINE bool tel_trylock(void) {
@@ -317,21 +452,32 @@ HK_INLINE bool tel_trylock(void) {
 }
 
 /* ---- entry points ---------------------------------------------------------- */
+/* PENDING from now: the first try one epoch from now, then RETRY_FIRST_NS. */
+static void pend(uint64_t now_ns) {
+  tel.next_ns = now_ns + tel.epoch_ns;
+  tel.retry_ns = RETRY_FIRST_NS;
+  tel.state = TEL_PENDING;
+  set_why(WHY_WAITING, 0);
+  _hk_tel_on = true;
+}
+
 void _hk_tel_start(void) {
   if (!_hk_tel_enabled()) return;
   const char* dir = _hk_env_get("HAKMEM_SHM_DIR");
   if (!dir || !*dir) dir = "/dev/shm/hakmem";
-  if (strlen(dir) >= sizeof tel.dir) { _hk_warn("telemetry off", "HAKMEM_SHM_DIR is too long"); return; }
+  if (strlen(dir) >= sizeof tel.dir) {
+    _hk_warn("telemetry off", "HAKMEM_SHM_DIR is too long");
+    not_made(WHY_ERROR, ENAMETOOLONG);
+    return;
+  }
   memcpy(tel.dir, dir, strlen(dir) + 1);
   tel.epoch_ns = (uint64_t)_hk_tel_epoch_ms() * 1000000u;
-  /* The file is made at the first slow path one epoch after start: a
+  /* The first try is at the first slow path one epoch after start: a
    * process that lives less than an epoch could not fill a window for a
    * reader anyway, and short processes by the thousand (shell pipelines,
    * git) skip the file's cost: about 170 us each, 15% of a process that
    * makes a few thousand allocations, measured on the startup benchmark. */
-  tel.next_ns = _hk_os_now_coarse_ns() + tel.epoch_ns;
-  tel.state = TEL_PENDING;
-  _hk_tel_on = true;
+  pend(_hk_os_now_coarse_ns());
 }
 
 void _hk_tel_tick(uint64_t now_ns) {
@@ -339,9 +485,13 @@ void _hk_tel_tick(uint64_t now_ns) {
       (tel.state != TEL_ON || hk_load_relaxed((_Atomic uint64_t*)&tel.pol->version) == tel.last_seen))
     return;
   if (!tel_trylock()) return;
-  if (tel.state == TEL_PENDING) {
-    tel.state = create_file() ? TEL_ON : TEL_OFF;
-    _hk_tel_on = tel.state == TEL_ON;
+  if (tel.state == TEL_PENDING && now_ns >= tel.next_ns) {
+    if (create_file()) {
+      tel.state = TEL_ON;   /* and a first record now */
+    } else {
+      tel.next_ns = now_ns + tel.retry_ns;
+      tel.retry_ns = tel.retry_ns * 2 < RETRY_MAX_NS ? tel.retry_ns * 2 : RETRY_MAX_NS;
+    }
   }
   if (tel.state == TEL_ON) {
     poll_policy();
@@ -357,11 +507,12 @@ void _hk_tel_tick(uint64_t now_ns) {
 /* At normal exit: one last record from the same snapshot the exit-time
  * table prints (st), then the file goes. */
 void _hk_tel_exit(const hk_stats_t* st) {
-  if (tel.state != TEL_ON) return;
   _hk_lock(&tel.lock);
-  write_record(st, _hk_os_now_ns());
-  hk_store_release((_Atomic uint32_t*)&tel.hdr->state, 1);
-  unlink(tel.path);
+  if (tel.state == TEL_ON) {
+    write_record(st, _hk_os_now_ns());
+    hk_store_release((_Atomic uint32_t*)&tel.hdr->state, 1);
+    remove_file();
+  }
   tel.state = TEL_OFF;
   _hk_tel_on = false;
   _hk_unlock(&tel.lock);
@@ -369,12 +520,53 @@ void _hk_tel_exit(const hk_stats_t* st) {
 
 void _hk_tel_after_fork_child(void) {
   _hk_lock_reinit(&tel.lock);
-  if (tel.state != TEL_ON) return;
-  /* The parent's file stays the parent's. */
-  _hk_os_unmap_file(tel.hdr, tel.len);
-  tel.hdr = NULL;
-  tel.ring = NULL;
-  tel.pol = NULL;
-  tel.next_ns = 0;
-  tel.state = TEL_PENDING;
+  if (tel.state == TEL_OFF) return;
+  if (tel.state == TEL_ON) {
+    /* The parent's file stays the parent's. */
+    _hk_os_unmap_file(tel.hdr, tel.len);
+    tel.hdr = NULL;
+    tel.ring = NULL;
+    tel.pol = NULL;
+  }
+  pend(_hk_os_now_coarse_ns());
+}
+
+/* One line for the HAKMEM_STATS table: whether telemetry is on, and if
+ * not, why (failures: the tel_failures counter of the snapshot printed). */
+size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures) {
+  uint64_t w = hk_load_acquire(&tel.why);
+  unsigned why = (unsigned)(w >> 32);
+  uint32_t arg = (uint32_t)w;
+  const char* dir = tel.dir;
+  size_t n;
+  switch (why) {
+    case WHY_DISABLED:
+      return _hk_fmt(buf, cap, "  telemetry: off (HAKMEM_TELEMETRY=0)\n");
+    case WHY_ON:
+      return _hk_fmt(buf, cap, "  telemetry: on, %s\n", tel.path);
+    case WHY_WAITING:
+      n = _hk_fmt(buf, cap, "  telemetry: off: not tried yet (the first try is one epoch after start)"); break;
+    case WHY_NO_DIR:
+      n = _hk_fmt(buf, cap, "  telemetry: off: no directory %s (no learnd)", dir); break;
+    case WHY_NO_LEASE:
+      n = _hk_fmt(buf, cap, "  telemetry: off: no lease: nobody holds %s/" LEASE_NAME " (no learnd)", dir); break;
+    case WHY_LEASE_UNTRUSTED:
+      n = _hk_fmt(buf, cap, "  telemetry: off: no lease: %s/" LEASE_NAME " is not a regular file of root or"
+                  " ours (owner uid %u)", dir, arg); break;
+    case WHY_DIR_LINK:
+      n = _hk_fmt(buf, cap, "  telemetry: off: untrusted directory %s: a symbolic link or not a directory", dir); break;
+    case WHY_DIR_OWNER:
+      n = _hk_fmt(buf, cap, "  telemetry: off: untrusted directory %s: owned by uid %u", dir, arg); break;
+    case WHY_DIR_MODE:
+      n = _hk_fmt(buf, cap, "  telemetry: off: untrusted directory %s: others may write it and it is not sticky",
+                  dir); break;
+    case WHY_NAME_TAKEN:
+      n = _hk_fmt(buf, cap, "  telemetry: off: name taken: %s is owned by uid %u", tel.path, arg); break;
+    case WHY_NO_SPACE:
+      n = _hk_fmt(buf, cap, "  telemetry: off: no space for the file's blocks in %s", dir); break;
+    default:
+      n = _hk_fmt(buf, cap, "  telemetry: off: cannot make the file in %s (errno %u)", dir, arg); break;
+  }
+  if (failures) n += _hk_fmt(buf + n, cap - n, " (%lu failures)", failures);
+  return n + _hk_fmt(buf + n, cap - n, "\n");
 }

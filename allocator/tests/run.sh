@@ -2,7 +2,8 @@
 # Runs every allocator test and ends with one line "N passed, N failed, N skipped".
 #   1. C tests linked with the release library      (build/tests/*)
 #   2. the same tests linked with the debug library (build/debug/tests/*)
-#   3. the threaded and forking C tests again with telemetry on
+#   3. the threaded and forking C tests again with telemetry on (a lease
+#      holder beside them, as learnd would be)
 #   4. real programs with LD_PRELOAD=libhakmem.so   (allocator/tests/programs/*.sh)
 #   5. the Python side: shm layout, ring reader, policy snapshots, fuzz (learner/tests)
 #   6. valgrind memcheck over the debug C tests
@@ -56,11 +57,36 @@ for t in "$BUILD"/debug/tests/test_*; do
   [ -x "$t" ] && run_one "debug/$(basename "$t")" 300 "$t"
 done
 
+# hold_lease DIR: holds a reader's lease on DIR in the background, as learnd
+# would (learner/hakmem/lease.py; processes make their files only while
+# somebody holds it), and prints the holder's pid once it is held.
+hold_lease() {
+  local py=python3 log="$LOGS/lease.log"
+  [ -x .venv/bin/python ] && py=.venv/bin/python
+  PYTHONPATH=learner "$py" -c 'import sys, time
+from hakmem.lease import Lease
+Lease(sys.argv[1], "allocator/tests/run.sh").acquire()
+print("held", flush=True)
+time.sleep(3600)' "$1" >"$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 100); do
+    grep -q held "$log" 2>/dev/null && { echo "$pid"; return 0; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  echo "  cannot hold the lease on $1: $(tail -n 1 "$log")" >&2
+  kill "$pid" 2>/dev/null
+  echo 0
+}
+
 echo "== C tests with telemetry on (a telemetry file per process, records from slow paths)"
 for t in test_stress test_fork test_thread_churn; do
   [ -x "$BUILD/tests/$t" ] || continue
+  [ -n "${TESTS:-}" ] && ! grep -qE -- "$TESTS" <<<"telemetry/$t" && continue
   shm=$(mktemp -d)
+  holder=$(hold_lease "$shm")
   run_one "telemetry/$t" 300 env HAKMEM_TELEMETRY=1 HAKMEM_SHM_DIR="$shm" HAKMEM_TELEMETRY_MS=10 "$BUILD/tests/$t"
+  [ "$holder" != 0 ] && { kill "$holder"; wait "$holder" 2>/dev/null; }
   rm -rf "$shm"
 done
 

@@ -2,8 +2,11 @@
 and a way to start a preloaded workload and find its telemetry file."""
 import os
 import pathlib
+import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -23,11 +26,96 @@ def pytest_sessionstart(session):
         pytest.exit(f"missing {', '.join(missing)}: run `make tests` first", returncode=2)
 
 
+sys.path.insert(0, str(ROOT / "learner"))
+from hakmem.lease import Lease  # noqa: E402
+
+
 @pytest.fixture
 def shm(tmp_path):
+    """A telemetry directory with its lease held, as a running learnd would:
+    processes make their files only while somebody holds it."""
     d = tmp_path / "shm"
     d.mkdir()
-    return d
+    with Lease(d, "pytest"):
+        yield d
+
+
+# ---- another user -------------------------------------------------------------
+# The trust tests act as a hostile local user: an unprivileged account of
+# their own (created once, kept: useradd is slow and CI machines are fresh),
+# running the workload with setpriv. They need root; elsewhere they skip and
+# say why.
+USERS = ("hakmem-mallory", "hakmem-alice")
+
+
+def need_root():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: creates accounts (useradd) and runs as them (setpriv)")
+    for tool in ("useradd", "setpriv"):
+        if not shutil.which(tool):
+            pytest.skip(f"needs {tool} (Debian: passwd, util-linux)")
+
+
+def user(name):
+    """(uid, gid) of a test account, created when missing."""
+    need_root()
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                       check=True, capture_output=True)
+        pw = pwd.getpwnam(name)
+    return pw.pw_uid, pw.pw_gid
+
+
+@pytest.fixture(scope="session")
+def mallory():
+    return user(USERS[0])
+
+
+@pytest.fixture(scope="session")
+def alice():
+    return user(USERS[1])
+
+
+@pytest.fixture(scope="session")
+def public_bin():
+    """libhakmem.so and the workload where any user can run them (the
+    checkout may sit under a 0700 home directory)."""
+    need_root()
+    d = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-bin-"))
+    d.chmod(0o755)
+    for src in (LIB, WORKLOAD):
+        shutil.copy2(src, d / src.name)
+        (d / src.name).chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_shm():
+    """A telemetry directory as learnd makes it for every user: root's,
+    1777 (world-writable, sticky), on tmpfs."""
+    need_root()
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-test-", dir=base))
+    d.chmod(0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def as_user(ids, argv, env=None, **kw):
+    """Popen of argv as (uid, gid), with no supplementary groups."""
+    uid, gid = ids
+    return subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--",
+                             *map(str, argv)], env=env, cwd="/", **kw)
+
+
+def start_as(ids, bindir, args, shm_dir, **env):
+    """The workload as another user, hakmem preloaded, telemetry in shm_dir."""
+    e = clean_env(LD_PRELOAD=str(bindir / LIB.name), HAKMEM_SHM_DIR=str(shm_dir), **env)
+    return as_user(ids, [bindir / WORKLOAD.name, *args], env=e, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True)
 
 
 def clean_env(**extra):

@@ -6,6 +6,11 @@
  *                                   frees handed to the next thread
  *   workload fork SECONDS           bursts in the parent, and in a child
  *                                   forked halfway that runs 1 s and exits
+ *   workload forks N MS             bursts in the parent for 0.3 s, then N
+ *                                   children one after the other, each making
+ *                                   2000 allocations (for at least MS ms) and
+ *                                   leaving with _exit; the JSON line carries
+ *                                   the time the N forks took, in ms
  *
  * The last line on stdout is JSON: {"mode":..., "ops":..., "seconds":...}.
  */
@@ -103,7 +108,7 @@ static uint64_t mixed(int threads, double seconds) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (argc < 2) { fprintf(stderr, "usage: workload burst|mixed|fork ...\n"); return 2; }
+  if (argc < 2) { fprintf(stderr, "usage: workload burst|mixed|fork|forks ...\n"); return 2; }
   const char* mode = argv[1];
   double t0 = now(), seconds;
   uint64_t ops;
@@ -129,6 +134,29 @@ int main(int argc, char** argv) {
     int st;
     waitpid(pid, &st, 0);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) { fprintf(stderr, "child failed\n"); return 1; }
+  } else if (strcmp(mode, "forks") == 0 && argc == 4) {
+    int n = atoi(argv[2]);
+    double child_s = atof(argv[3]) / 1000;
+    ops = burst(64, 2000, 0.3);
+    double f0 = now();
+    for (int i = 0; i < n; i++) {
+      pid_t pid = fork();
+      if (pid < 0) { perror("fork"); return 1; }
+      if (pid == 0) {
+        double end = now() + child_s;
+        do {
+          void* v[2000];
+          for (int k = 0; k < 2000; k++) if (!(v[k] = malloc(64))) _exit(1);
+          for (int k = 0; k < 2000; k++) free(v[k]);
+        } while (now() < end);
+        _exit(0);
+      }
+      int st;
+      waitpid(pid, &st, 0);
+      if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) { fprintf(stderr, "child failed\n"); return 1; }
+    }
+    printf("{\"mode\":\"forks\",\"children\":%d,\"fork_ms\":%.1f}\n", n, (now() - f0) * 1000);
+    seconds = 0.3;
   } else {
     fprintf(stderr, "workload: bad arguments\n");
     return 2;

@@ -1,0 +1,273 @@
+"""Trust and faults, the allocator's side (issue 10): nothing another user
+puts in or does to the telemetry directory can kill, hang or steer a
+preloaded process, and what turns telemetry off is said in its stats.
+
+One test per finding; each docstring says what main did before the fix and
+what it does now. The tests that need root (mounting a filesystem, another
+account) skip with the reason elsewhere."""
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from conftest import as_user, proc_start_time, ring_path, start, start_as, wait_for
+from hakmem.lease import Lease
+
+PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else shutil.which("python3")
+
+
+def ring_files(d):
+    """What processes left in a telemetry directory: not the lease, not the
+    tests' own files."""
+    return sorted(p.name for p in d.iterdir() if p.name not in ("learnd.lock", "fill"))
+
+
+def telemetry_line(stderr):
+    """The HAKMEM_STATS=1 table's telemetry line, without its label."""
+    m = re.search(r"^  telemetry: (.*)$", stderr, re.M)
+    assert m, f"no telemetry line in the stats table:\n{stderr[-2000:]}"
+    return m.group(1)
+
+
+def run_stats(shm_dir, seconds=0.6, watch=None, **env):
+    """The workload for a while with HAKMEM_STATS=1: (exit status, stderr,
+    the files seen in `watch` while it ran: a file is removed at exit)."""
+    p = start(["burst", 64, 2000, seconds], shm_dir, HAKMEM_STATS=1, **env)
+    seen = set()
+    while p.poll() is None:
+        seen.update(ring_files(watch or shm_dir))
+        time.sleep(0.01)
+    out, err = p.communicate(timeout=60)
+    return p.returncode, err, sorted(seen)
+
+
+def need_root(why):
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: {why}")
+
+
+# ---- 1. a full filesystem ------------------------------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """A private 4 MiB tmpfs, unmounted at the end."""
+    need_root("mounts a small tmpfs to fill")
+    if not shutil.which("mount"):
+        pytest.skip("needs mount (util-linux)")
+    d = tmp_path / "fs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "hakmem-test", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def fill(d):
+    """Fills the filesystem of d to the last block."""
+    fd = os.open(d / "fill", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for chunk in (1 << 16, 4096, 512):
+            while True:
+                try:
+                    os.write(fd, bytes(chunk))
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    break
+    finally:
+        os.close(fd)
+    assert os.statvfs(d).f_bavail == 0
+
+
+def test_full_filesystem_never_kills_the_process(small_fs):
+    """Before: the file was grown sparse with ftruncate and written through
+    the mapping, so a full filesystem killed the program with SIGBUS (exit
+    135), at creation when it was full already, or at its next record when
+    it filled later. After: the file's blocks are reserved (fallocate) when
+    it is made; a full filesystem means no file, a counted failure and a line
+    in the stats, and a process whose file exists runs on."""
+    with Lease(small_fs, "test"):
+        # (a) full before the program starts
+        fill(small_fs)
+        rc, err, _ = run_stats(small_fs)
+        assert rc == 0, f"exit {rc} (-7: SIGBUS)\n{err[-1000:]}"
+        line = telemetry_line(err)
+        assert line.startswith("off: no space") and re.search(r"\(\d+ failures\)", line), line
+        assert ring_files(small_fs) == []
+        # (b) the file made, then the filesystem filled to the last block
+        os.unlink(small_fs / "fill")
+        p = start(["burst", 64, 2000, 1.5], small_fs, HAKMEM_STATS=1, HAKMEM_TELEMETRY_MS=20)
+        ring_path(small_fs, p.pid)
+        fill(small_fs)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, f"exit {p.returncode} (-7: SIGBUS)\n{err[-1000:]}"
+        assert json.loads(out.splitlines()[-1])["mode"] == "burst"
+        assert telemetry_line(err).startswith("on, "), err
+        assert ring_files(small_fs) == []
+
+
+# ---- 2. the directory -----------------------------------------------------------
+def test_untrusted_directory_is_refused(tmp_path):
+    """Before: the allocator followed a symbolic link named like the
+    telemetry directory and created its file wherever it pointed, and took
+    any directory (another user's, one anybody may write). After: the
+    directory is opened with O_NOFOLLOW and accepted only when owned by root
+    or the process's user and, if others may write it, sticky; otherwise no
+    file, a counted failure and the reason in the stats."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with Lease(real, "test"):
+        rc, err, seen = run_stats(link, watch=real)
+        assert rc == 0, err
+        assert seen == [], "a file made through the link"
+        line = telemetry_line(err)
+        assert line.startswith("off: untrusted directory") and "symbolic link" in line, line
+        assert re.search(r"\(\d+ failures\)", line), line
+    if os.geteuid() != 0:
+        return   # the rest gives a directory to another user
+    other = tmp_path / "others"
+    other.mkdir()
+    os.chown(other, 65534, 65534)
+    with Lease(other, "test"):
+        rc, err, seen = run_stats(other)
+        assert rc == 0 and seen == [], "a file made in another user's directory"
+        assert "untrusted directory" in telemetry_line(err) and "owned by uid 65534" in telemetry_line(err), err
+    open_ = tmp_path / "open"
+    open_.mkdir()
+    open_.chmod(0o777)
+    with Lease(open_, "test"):
+        rc, err, seen = run_stats(open_)
+        assert rc == 0 and seen == [], "a file made in a directory anybody may write"
+        assert "not sticky" in telemetry_line(err), err
+        open_.chmod(0o1777)   # as /tmp: others may write, nobody can remove our file
+        p = start(["burst", 64, 2000, 1.0], open_, HAKMEM_STATS=1)
+        ring_path(open_, p.pid)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and telemetry_line(err).startswith("on, "), err
+
+
+def test_exit_removes_only_its_own_file(tmp_path):
+    """Before: at exit the allocator unlinked <dir>/<name> by path, whatever
+    the path led to by then. After: it removes the name only when the
+    directory is the one it made the file in and the name still leads to
+    its file (device and inode of both); a directory renamed away and
+    replaced keeps what was put in its place."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    with Lease(d, "test"):
+        p = start(["burst", 64, 2000, 1.0], d)
+        name = ring_path(d, p.pid).name
+        os.rename(d, tmp_path / "moved")
+        d.mkdir()
+        (d / name).write_bytes(b"somebody else's")
+        assert p.wait(timeout=60) == 0
+    assert (d / name).exists(), "exit removed the file put in the place of its own"
+    assert (d / name).read_bytes() == b"somebody else's"
+
+
+# ---- 3. the lease -------------------------------------------------------------------
+def test_file_only_while_a_reader_holds_the_lease(tmp_path):
+    """Before: a process made its file whenever the directory existed, read
+    or not, so files of processes that died by _exit or a signal piled up in
+    RAM. After: only while learnd.lock is a regular file of root or our user,
+    write-locked by its holder (lease.py CONTRACT); without a lease nothing is
+    made, which is not a failure; a process started before learnd is picked
+    up at its next try (backoff 1 s doubling to 16 s); a FIFO as the lock file
+    does not block."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    rc, err, seen = run_stats(d)
+    assert rc == 0 and seen == [], f"a file made with no lease: {seen}"
+    line = telemetry_line(err)
+    assert line.startswith("off: no lease") and "failures" not in line, line
+    # A service started before learnd: tries at 0.1 s, 1.1 s, 3.1 s.
+    p = start(["burst", 64, 2000, 3.0], d, HAKMEM_STATS=1)
+    time.sleep(0.5)
+    assert ring_files(d) == []
+    with Lease(d, "test"):
+        t0 = time.monotonic()
+        ring_path(d, p.pid, timeout=5)
+        late = time.monotonic() - t0
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and telemetry_line(err).startswith("on, "), err
+    assert late < 3, f"picked up {late:.1f} s after the lease"
+    # A FIFO in the lock file's place: no hang, no file.
+    os.mkfifo(d / "learnd.lock")
+    t0 = time.monotonic()
+    rc, err, seen = run_stats(d)
+    assert rc == 0 and time.monotonic() - t0 < 10
+    assert seen == [] and telemetry_line(err).startswith("off: no lease"), err
+
+
+def test_lease_of_another_user_is_not_believed(mallory, alice, public_bin, shared_shm):
+    """Before: no lease was looked at. After: a lock file that another
+    (unprivileged) user made and write-locks holds no lease for root's
+    processes; root's lease holds one for every user's processes."""
+    script = ("import fcntl, os, struct, sys, time\n"
+              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)\n"
+              "fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 0, 0))\n"
+              "print('held', flush=True)\n"
+              "time.sleep(60)\n")
+    h = as_user(mallory, [PY, "-c", script, shared_shm / "learnd.lock"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert h.stdout.readline().strip() == "held"
+        rc, err, seen = run_stats(shared_shm)
+        assert rc == 0, err
+        assert seen == [], "a file made under another user's lease"
+        line = telemetry_line(err)
+        assert line.startswith("off: no lease") and f"owner uid {mallory[0]}" in line, line
+    finally:
+        h.kill()
+        h.wait()
+    os.unlink(shared_shm / "learnd.lock")
+    with Lease(shared_shm, "test"):
+        p = start_as(alice, public_bin, ["burst", 64, 2000, 1.0], shared_shm)
+        path = ring_path(shared_shm, p.pid)
+        assert path.stat().st_uid == alice[0]
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    assert ring_files(shared_shm) == []
+
+
+# ---- 4. fork ----------------------------------------------------------------------------
+def test_short_lived_forked_children_leave_no_file(shm):
+    """Before: a forked child made its file at its first slow path and left
+    it behind when it ended with _exit (100 of 100 children did). After: the
+    child waits an epoch like any process; children shorter than that make
+    nothing (one that lives longer has its own file: test_ring
+    test_forked_child_has_its_own_file)."""
+    p = start(["forks", 100, 0], shm)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    fork_ms = json.loads(out.splitlines()[0])["fork_ms"]
+    assert ring_files(shm) == [], f"{len(ring_files(shm))} files left by 100 children"
+    print(f"100 forks with telemetry on: {fork_ms:.1f} ms")
+
+
+# ---- 5. a squatted name ----------------------------------------------------------------
+def test_squatted_name_is_counted_and_said(mallory, shared_shm):
+    """Before: a file named <pid>-<starttime> made first by another user
+    turned the victim's telemetry off without a word. After: it is counted
+    (tel_failures) and the stats table says whose file took the name; the
+    victim runs on and tries again later."""
+    with Lease(shared_shm, "test"):
+        p = start(["burst", 64, 2000, 2.5], shared_shm, HAKMEM_STATS=1, HAKMEM_TELEMETRY_MS=1000)
+        name = f"{p.pid}-{proc_start_time(p.pid)}"
+        t = as_user(mallory, ["touch", shared_shm / name])
+        assert t.wait(timeout=10) == 0
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    line = telemetry_line(err)
+    assert line.startswith("off: name taken") and f"owned by uid {mallory[0]}" in line, line
+    m = re.search(r"\((\d+) failures\)", line)
+    assert m and int(m.group(1)) >= 1, line
+    assert (shared_shm / name).stat().st_uid == mallory[0]

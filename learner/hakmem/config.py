@@ -10,6 +10,7 @@ Example (deploy/learnd.toml has a commented one):
     objective = "lambda=0.125"   # or "budget=512MiB"
     learner = "gp"
     explore = true
+    pool_users = ["root", "postgres"]   # users whose processes share what is learned
 
     [programs."/usr/sbin/nginx"]  # by executable path or base name
     objective = "budget=256MiB"
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pwd
 import tomllib
 
 from .objective import DEFAULT_LAMBDA, Objective, ObjectiveError
@@ -28,6 +30,56 @@ from .ring import DEFAULT_DIR as DEFAULT_SHM_DIR
 
 class ConfigError(Exception):
     """A configuration that cannot be used, with the reason in one line."""
+
+
+# ---- users: who a program is learned for ------------------------------------
+# A program is learned per user: (executable, build id, users), users being the
+# uid of its processes as a decimal string ("1000"). Users named in pool_users
+# share one program whose users are their uids sorted, joined by commas
+# ("0,101"). Evidence from one user never changes the policy another user's
+# processes get, unless the configuration pools them (issue 10, finding 4).
+UID_MAX = 2**32 - 2          # (uid_t)-1 means "no uid"
+
+
+def parse_users(items, where: str) -> tuple[int, ...]:
+    """uids named by user names or decimal numbers (an iterable, or one string
+    of them separated by commas), sorted, each once. ConfigError when a name
+    is not a user here or a number is not a uid."""
+    if isinstance(items, str):
+        items = [x for x in (t.strip() for t in items.split(",")) if x]
+    out = set()
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, (int, str)):
+            raise ConfigError(f"{where}: a user is a name or a uid, got {x!r}")
+        if isinstance(x, str) and x.strip().isascii() and x.strip().isdigit():
+            x = int(x)
+        if isinstance(x, int):
+            if not 0 <= x <= UID_MAX:
+                raise ConfigError(f"{where}: {x} is not a uid")
+            out.add(x)
+            continue
+        try:
+            out.add(pwd.getpwnam(x.strip()).pw_uid)
+        except KeyError:
+            raise ConfigError(f"{where}: no user named {x!r} on this machine") from None
+    return tuple(sorted(out))
+
+
+def users_text(uids) -> str:
+    """A program's users: the uids sorted, joined by commas ("0,101")."""
+    return ",".join(str(u) for u in sorted(set(int(u) for u in uids)))
+
+
+def users_names(users: str) -> str:
+    """A program's users for a person: names joined by commas ("root,postgres"),
+    the number where a uid has no name here; "" for no users."""
+    out = []
+    for u in users.split(",") if users else ():
+        try:
+            out.append(pwd.getpwuid(int(u)).pw_name)
+        except (KeyError, ValueError, OverflowError):
+            out.append(u)
+    return ",".join(out)
 
 
 def default_db() -> str:
@@ -71,9 +123,16 @@ class Config:
     raw_hours: float = 6.0              # windows kept as sampled before being merged per minute
     keep_days: float = 30.0
     max_windows: int = 500_000
+    pool_users: tuple = ()              # uids, sorted: their processes share one program
 
     def for_program(self, exe: str) -> ProgramConfig:
         return self.programs.get(exe) or self.programs.get(os.path.basename(exe)) or ProgramConfig()
+
+    def users_key(self, uid: int) -> str:
+        """The `users` of the program a process of uid belongs to: the pooled
+        uids ("0,101") when uid is pooled, else the uid ("1000")."""
+        uid = int(uid)
+        return users_text(self.pool_users) if uid in self.pool_users else str(uid)
 
 
 _KEYS = {"db": str, "shm_dir": str, "run_dir": str, "sample_period": float, "discover_period": float,
@@ -89,7 +148,8 @@ def _objective(text, where):
 
 
 def load(path: str | None = None, **flags) -> Config:
-    """The file at path (if any), then flags that are not None."""
+    """The file at path (if any), then flags that are not None. pool_users:
+    names or uids separated by commas ("root,postgres"; "" pools nobody)."""
     values: dict = {}
     programs: dict = {}
     if path:
@@ -114,8 +174,14 @@ def load(path: str | None = None, **flags) -> Config:
                         objective=_objective(over["objective"], f"{path}: {exe}") if "objective" in over else None,
                         learner=over.get("learner"), explore=over.get("explore"))
                 continue
+            if k == "pool_users":
+                if not isinstance(v, list):
+                    raise ConfigError(f"{path}: pool_users must be a list of user names or uids, got {v!r}")
+                values[k] = parse_users(v, f"{path}: pool_users")
+                continue
             if k not in _KEYS:
-                raise ConfigError(f"{path}: unknown key {k!r} (known: {', '.join(sorted(_KEYS))}, programs)")
+                raise ConfigError(f"{path}: unknown key {k!r} (known: {', '.join(sorted(_KEYS))}, "
+                                  f"pool_users, programs)")
             want = _KEYS[k]
             if want is float and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
@@ -123,6 +189,8 @@ def load(path: str | None = None, **flags) -> Config:
                 raise ConfigError(f"{path}: {k} must be a {want.__name__}, got {v!r}")
             values[k] = v
     values.update({k: v for k, v in flags.items() if v is not None})
+    if flags.get("pool_users") is not None:
+        values["pool_users"] = parse_users(flags["pool_users"], "--pool-users")
     explicit = "objective" in values
     if "objective" in values:
         values["objective"] = _objective(values["objective"], path or "--objective")

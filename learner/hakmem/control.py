@@ -36,11 +36,16 @@ from google.protobuf.message import DecodeError
 from . import __version__
 from . import layout as L
 from ._pb import hakmem_pb2 as pb
+from .config import ConfigError, parse_users, users_text
 from .learning import KNOB_KEYS, canonical
 from .ring import proc_start_time, shm_dir as _default_shm_dir
 from .store import Store, StoreError
 
-EXPORT_FORMAT = 1
+# Policy files: format 2 names the program's users (users, users_names);
+# format 1, made before programs were learned per user (and still for a
+# program without users), does not, and is imported only with --users.
+EXPORT_FORMAT = 2
+READ_FORMATS = (1, 2)
 ORIGIN_TO_PB = {"default": pb.DEFAULT, "learned": pb.LEARNED, "replay": pb.REPLAY, "pinned": pb.PINNED}
 ORIGIN_FROM_PB = {v: k for k, v in ORIGIN_TO_PB.items()}
 PROBE_TIMEOUT_S = 0.3        # bind(): how long an existing learnd has to answer
@@ -167,7 +172,7 @@ def policy_to_pb(d: dict) -> pb.Policy:
     p = pb.Policy(id=d["id"], program=d["program"], version=d["version"], origin=ORIGIN_TO_PB[d["origin"]],
                   knobs=knobs_to_pb(d["knobs"]), evaluations=d.get("evaluations") or 0,
                   created=d["created"], pinned=bool(d.get("pinned")), best=bool(d.get("best")),
-                  note=d.get("note") or "")
+                  note=d.get("note") or "", users=d.get("users") or "")
     if d.get("objective") is not None:
         p.has_objective = True
         p.objective = d["objective"]
@@ -179,14 +184,14 @@ def process_to_pb(d: dict) -> pb.Process:
     """A store process row (Store.processes) as a message; alive as far as the store knows."""
     return pb.Process(pid=d["pid"], start_time=d["start_time"], program=d["program"], uid=d["uid"],
                       first_seen=d["first_seen"], last_seen=d["last_seen"], alive=d.get("exited") is None,
-                      windows=d.get("windows") or 0)
+                      windows=d.get("windows") or 0, users=d.get("users") or "")
 
 
 def program_to_pb(d: dict, store: Store | None = None) -> pb.Program:
     """A store program row (Store.programs); with store, its best and pinned policies too."""
     p = pb.Program(id=d["id"], key=d["key"], exe=d["exe"], build_id=d["build_id"], first_seen=d["first_seen"],
                    last_seen=d["last_seen"], processes_seen=d.get("processes_seen") or 0,
-                   class_size=d["class_sizes"])
+                   class_size=d["class_sizes"], users=d["users"], users_names=d["users_names"])
     if store is not None:
         for field, col in (("best", "best_policy"), ("pinned", "pinned_policy")):
             if d.get(col):
@@ -229,8 +234,8 @@ def to_dict(msg) -> dict:
 # ---- exported policy files -----------------------------------------------------
 def check_export(f: pb.PolicyExport) -> None:
     """Raises ControlError(why) unless f is a complete policy file this hakmem can use."""
-    if f.format != EXPORT_FORMAT:
-        raise ControlError(f"format {f.format}, this hakmem reads format {EXPORT_FORMAT}")
+    if f.format not in READ_FORMATS:
+        raise ControlError(f"format {f.format}, this hakmem reads formats {READ_FORMATS[0]} to {READ_FORMATS[-1]}")
     if not f.exe or not f.build_id:
         raise ControlError("no program identity (exe and build id)")
     if len(f.class_size) != L.NUM_CLASSES:
@@ -240,9 +245,12 @@ def check_export(f: pb.PolicyExport) -> None:
     if f.policy.origin not in ORIGIN_FROM_PB:
         raise ControlError(f"unknown policy origin {f.policy.origin}")
     knobs_from_pb(f.policy.knobs)
-    # export() always writes these last fields: a file cut short lacks them.
+    # export() always writes these last fields (fields are written in the
+    # order of their numbers): a file cut short lacks them.
     if f.exported_at <= 0 or not f.exported_from:
         raise ControlError("incomplete: no export time or host (truncated?)")
+    if f.format >= 2 and not (f.users and f.users_names):
+        raise ControlError("incomplete: no users (truncated?)")
 
 
 def read_export(data: bytes, name: str) -> pb.PolicyExport:
@@ -261,7 +269,8 @@ def read_export(data: bytes, name: str) -> pb.PolicyExport:
 # ---- the backend -----------------------------------------------------------------
 class Backend(Protocol):
     """What answers control requests. Programs are named as Store.find_program
-    reads them (id, key, executable path, base name). Errors: ControlError."""
+    reads them (id, key, executable path, base name, each of the last two
+    with #USERS). Errors: ControlError."""
 
     def status(self) -> pb.Status: ...
     def programs(self) -> list[pb.Program]: ...
@@ -271,7 +280,7 @@ class Backend(Protocol):
     def pin(self, program: str, version: int, knobs: dict | None, note: str) -> pb.Policy: ...
     def unpin(self, program: str) -> str: ...
     def export(self, program: str, version: int) -> pb.PolicyExport: ...
-    def import_(self, file: pb.PolicyExport, pin: bool) -> pb.Policy: ...
+    def import_(self, file: pb.PolicyExport, pin: bool, users: str = "") -> pb.Policy: ...
 
 
 class StoreBackend:
@@ -334,6 +343,9 @@ class StoreBackend:
     def processes(self, all: bool = False) -> list[pb.Process]:
         live = {(p.pid, p.start_time): p for p in self.live_processes()}
         out = list(live.values())
+        for p in out:
+            if not p.users and "#" in p.program:
+                p.users = p.program.rsplit("#", 1)[1]
         for row in self.store.processes(all=all):
             if (row["pid"], row["start_time"]) in live:
                 continue
@@ -394,20 +406,35 @@ class StoreBackend:
         prog = self._program(program)
         pol = policy_to_pb(self._policy_row(prog, version))
         pol.id = 0              # a row id means nothing on another machine
-        return pb.PolicyExport(format=EXPORT_FORMAT, exe=prog["exe"], build_id=prog["build_id"],
-                               class_size=prog["class_sizes"], policy=pol, exported_at=time.time(),
-                               exported_from=_socket.gethostname() or "unknown")
+        return pb.PolicyExport(format=EXPORT_FORMAT if prog["users"] else 1, exe=prog["exe"],
+                               build_id=prog["build_id"], class_size=prog["class_sizes"], policy=pol,
+                               exported_at=time.time(), exported_from=_socket.gethostname() or "unknown",
+                               users=prog["users"], users_names=prog["users_names"])
 
-    def import_(self, file: pb.PolicyExport, pin: bool) -> pb.Policy:
+    def import_(self, file: pb.PolicyExport, pin: bool, users: str = "") -> pb.Policy:
+        """Stores the file's policy for the program with its exe, build id and
+        users: the given ones (uids or names here, separated by commas), else
+        the file's uids. The program is made if new."""
         try:
             check_export(file)
         except ControlError as e:
             raise ControlError(f"not a hakmem policy file ({e})") from None
         knobs = knobs_from_pb(file.policy.knobs)
+        if not users and not file.users:
+            raise ControlError("the file does not say whose program it was (made by a hakmem that learned "
+                               "per program, not per user); name the users here with --users")
+        try:
+            target = users_text(parse_users(users, "--users")) if users else \
+                users_text(parse_users(file.users, "the file's users"))
+        except ConfigError as e:
+            raise ControlError(str(e)) from None
+        if not target:
+            raise ControlError("--users names no user")
         prog = next((p for p in self.store.programs()
-                     if p["exe"] == file.exe and p["build_id"] == file.build_id), None)
+                     if p["exe"] == file.exe and p["build_id"] == file.build_id and p["users"] == target), None)
         if prog is None:
-            prog = self.store.program_by_id(self.store.program(file.exe, file.build_id, list(file.class_size)))
+            prog = self.store.program_by_id(self.store.program(file.exe, file.build_id, target,
+                                                               list(file.class_size)))
         elif list(prog["class_sizes"]) != list(file.class_size):
             c = next(i for i, (a, b) in enumerate(zip(file.class_size, prog["class_sizes"])) if a != b)
             raise ControlError(f"the file's class table differs from {prog['key']}'s (class {c}: "
@@ -445,7 +472,8 @@ def handle(backend: Backend, req: pb.Request) -> pb.Reply:
     elif kind == "policy_export":
         r.export.CopyFrom(backend.export(req.policy_export.program, req.policy_export.version))
     elif kind == "policy_import":
-        r.policies.append(backend.import_(req.policy_import.file, req.policy_import.pin))
+        q = req.policy_import
+        r.policies.append(backend.import_(q.file, q.pin, q.users))
     else:
         raise ControlError("malformed request: no request in it (a newer hakmem's?)")
     return r
@@ -577,8 +605,8 @@ class ClientBackend:
     def export(self, program: str, version: int) -> pb.PolicyExport:
         return self._call(policy_export=pb.PolicyExportRequest(program=program, version=version)).export
 
-    def import_(self, file: pb.PolicyExport, pin: bool) -> pb.Policy:
-        return self._one(self._call(policy_import=pb.PolicyImportRequest(file=file, pin=pin)))
+    def import_(self, file: pb.PolicyExport, pin: bool, users: str = "") -> pb.Policy:
+        return self._one(self._call(policy_import=pb.PolicyImportRequest(file=file, pin=pin, users=users)))
 
 
 # ---- events -------------------------------------------------------------------------

@@ -9,6 +9,9 @@ evaluations. `sqlite3 learn.db` is a supported way to look (schemas/sql/).
   disk full) raises StoreError; the daemon keeps the rows and tries again
   (daemon.py: PendingWrites).
 - Policies are stored once per program and set of knobs (by digest).
+- A program is (exe, build_id, users): learned per user unless the
+  configuration pools users (config.py: users_key); its key, the name the
+  CLI, messages and events use, is exe@build_id#users (program_key).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import time
 
 import numpy as np
 
+from .config import ConfigError, parse_users, users_names, users_text
 from .learning import Evaluation, Prior, canonical, digest
 
 SCHEMA_DIR = pathlib.Path(os.environ.get("HAKMEM_SCHEMA_DIR") or
@@ -166,15 +170,20 @@ class Store:
         return self.db.execute("PRAGMA integrity_check").fetchone()[0]
 
     # ---- programs and processes ---------------------------------------------
-    def program(self, exe, build_id, class_sizes, now=None) -> int:
+    def program(self, exe, build_id, users, class_sizes, now=None) -> int:
+        """The id of the program (exe, build_id, users), stored if new. users:
+        the uid of its processes as a decimal string, or the pooled uids
+        sorted and joined by commas (config.Config.users_key)."""
         now = time.time() if now is None else now
         with self.tx() as db:
-            row = db.execute("SELECT id FROM programs WHERE exe = ? AND build_id = ?", (exe, build_id)).fetchone()
+            row = db.execute("SELECT id FROM programs WHERE exe = ? AND build_id = ? AND users = ?",
+                             (exe, build_id, users)).fetchone()
             if row:
                 db.execute("UPDATE programs SET last_seen = ? WHERE id = ?", (now, row[0]))
                 return row[0]
-            return db.execute("INSERT INTO programs (exe, build_id, first_seen, last_seen, class_sizes) "
-                              "VALUES (?, ?, ?, ?, ?)", (exe, build_id, now, now, json.dumps(list(class_sizes)))).lastrowid
+            return db.execute("INSERT INTO programs (exe, build_id, users, first_seen, last_seen, class_sizes) "
+                              "VALUES (?, ?, ?, ?, ?, ?)",
+                              (exe, build_id, users, now, now, json.dumps(list(class_sizes)))).lastrowid
 
     def process(self, program_id, pid, start_time, uid, now=None) -> int:
         now = time.time() if now is None else now
@@ -321,30 +330,36 @@ class Store:
         return _program(r) if r else None
 
     def find_program(self, text) -> dict:
-        """A program named by id, key (exe@build_id), executable path or its base name."""
+        """A program named by id, key (exe@build_id#users), executable path or
+        base name, either with #USERS (uids or user names: python3.11#1000,
+        python3.11#root, /usr/bin/python3.11#0,101), or a prefix of a key.
+        A name that fits several programs is refused with a name for each."""
         progs = self.programs()
         if not progs:
             raise StoreError("no program is known yet (learnd has not seen any process)")
         t = str(text).strip()
-        for match in (lambda p: str(p["id"]) == t, lambda p: p["key"] == t, lambda p: p["exe"] == t,
-                      lambda p: os.path.basename(p["exe"]) == t, lambda p: p["key"].startswith(t)):
-            hits = [p for p in progs if match(p)]
-            if len(hits) == 1:
-                return hits[0]
-            if len(hits) > 1:
-                ids = ", ".join(f"{p['id']} ({p['key']})" for p in hits[:5])
-                raise StoreError(f"{t!r} names {len(hits)} programs: {ids}; name one by id or key")
+        hits = _resolve(t, progs)
+        if len(hits) == 1:
+            return hits[0]
+        if hits:
+            names = ", ".join(f"{_unique_name(p, progs)} (id {p['id']}, users {p['users_names'] or 'none'})"
+                              for p in hits[:5])
+            more = f" and {len(hits) - 5} more" if len(hits) > 5 else ""
+            raise StoreError(f"{t!r} names {len(hits)} programs: {names}{more}; name one of them as shown, "
+                             f"or by id")
         raise StoreError(f"no program matches {t!r} (hakmem policy list shows the known ones)")
 
     def processes(self, all=False) -> list[dict]:
-        q = ("SELECT p.*, g.exe, g.build_id, (SELECT count(*) FROM windows w WHERE w.process_id = p.id) AS windows "
+        q = ("SELECT p.*, g.exe, g.build_id, g.users, "
+             "(SELECT count(*) FROM windows w WHERE w.process_id = p.id) AS windows "
              "FROM processes p JOIN programs g ON g.id = p.program_id")
         if not all:
             q += " WHERE p.exited IS NULL"
-        return [dict(r) | {"program": f"{r['exe']}@{r['build_id']}"} for r in self.db.execute(q + " ORDER BY p.first_seen")]
+        return [dict(r) | {"program": program_key(r["exe"], r["build_id"], r["users"])}
+                for r in self.db.execute(q + " ORDER BY p.first_seen")]
 
     def policies(self, program_id=None) -> list[dict]:
-        q = ("SELECT p.*, g.exe, g.build_id, g.best_policy = p.id AS best, g.pinned_policy = p.id AS pinned "
+        q = ("SELECT p.*, g.exe, g.build_id, g.users, g.best_policy = p.id AS best, g.pinned_policy = p.id AS pinned "
              "FROM policies p JOIN programs g ON g.id = p.program_id")
         args = ()
         if program_id is not None:
@@ -353,8 +368,9 @@ class Store:
         return [_policy(r) for r in self.db.execute(q + " ORDER BY p.program_id, p.version", args)]
 
     def policy_by_id(self, policy_id) -> dict | None:
-        r = self.db.execute("SELECT p.*, g.exe, g.build_id, g.best_policy = p.id AS best, g.pinned_policy = p.id "
-                            "AS pinned FROM policies p JOIN programs g ON g.id = p.program_id WHERE p.id = ?",
+        r = self.db.execute("SELECT p.*, g.exe, g.build_id, g.users, g.best_policy = p.id AS best, "
+                            "g.pinned_policy = p.id AS pinned FROM policies p JOIN programs g ON g.id = p.program_id "
+                            "WHERE p.id = ?",
                             (policy_id,)).fetchone()
         return _policy(r) if r else None
 
@@ -379,9 +395,15 @@ class Store:
         return self.db.execute("SELECT count(*) FROM windows").fetchone()[0]
 
 
+def program_key(exe, build_id, users) -> str:
+    """How a program is named everywhere (CLI, messages, events): exe@build_id#users."""
+    return f"{exe}@{build_id}#{users}"
+
+
 def _program(r) -> dict:
     d = dict(r)
-    d["key"] = f"{d['exe']}@{d['build_id']}"
+    d["key"] = program_key(d["exe"], d["build_id"], d["users"])
+    d["users_names"] = users_names(d["users"])
     d["class_sizes"] = json.loads(d["class_sizes"])
     d["mix"] = json.loads(d["mix"]) if d.get("mix") else None
     return d
@@ -390,10 +412,45 @@ def _program(r) -> dict:
 def _policy(r) -> dict:
     d = dict(r)
     d["knobs"] = json.loads(d["knobs"])
-    d["program"] = f"{d.pop('exe')}@{d.pop('build_id')}"
+    d["program"] = program_key(d.pop("exe"), d.pop("build_id"), d["users"])
     d["best"] = bool(d["best"])
     d["pinned"] = bool(d["pinned"])
     return d
+
+
+def _users_of(who: str) -> str | None:
+    """#USERS of a program name as a program's users ("0,101"), or None when
+    a name in it is no user here."""
+    try:
+        return users_text(parse_users(who, "users"))
+    except ConfigError:
+        return None
+
+
+def _resolve(t: str, progs: list[dict]) -> list[dict]:
+    """The programs t names: the first way of naming that fits any (see
+    Store.find_program), in order."""
+    ways = [lambda p: str(p["id"]) == t, lambda p: p["key"] == t, lambda p: p["exe"] == t,
+            lambda p: os.path.basename(p["exe"]) == t]
+    if "#" in t:
+        name, who = t.rsplit("#", 1)
+        users = _users_of(who)
+        ways.append(lambda p: (name in (p["exe"], os.path.basename(p["exe"]), f"{p['exe']}@{p['build_id']}")
+                               and (p["users"] == users or p["users_names"] == who)))
+    ways.append(lambda p: p["key"].startswith(t))
+    for match in ways:
+        hits = [p for p in progs if match(p)]
+        if hits:
+            return hits
+    return []
+
+
+def _unique_name(p: dict, progs: list[dict]) -> str:
+    """The shortest name that names p alone: base#users, exe#users, the key, its id."""
+    for name in (f"{os.path.basename(p['exe'])}#{p['users']}", f"{p['exe']}#{p['users']}", p["key"]):
+        if _resolve(name, progs) == [p]:
+            return name
+    return str(p["id"])
 
 
 def _statements(sql):

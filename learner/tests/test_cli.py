@@ -8,6 +8,7 @@ running control.bind + control.serve over a StoreBackend) answering on ipc.
 import contextlib
 import json
 import os
+import pwd
 import re
 import shutil
 import socket
@@ -26,13 +27,21 @@ from hakmem import control
 from hakmem import layout as L
 from hakmem._pb import hakmem_pb2 as pb
 from hakmem.cli import main
+from hakmem.config import users_names
 from hakmem.control import ControlError, NotRunning, StoreBackend
 from hakmem.learning import Evaluation, canonical
 from hakmem.store import Store
 
 SIZES = [0] + [16 * i for i in range(1, L.NUM_CLASSES)]
 EXE, BUILD = "/usr/bin/fakeprog", "b1d0"
-KEY = f"{EXE}@{BUILD}"
+USERS = str(os.getuid())                      # the processes make_db records are this test's
+ME = pwd.getpwuid(os.getuid()).pw_name
+KEY = f"{EXE}@{BUILD}#{USERS}"
+LABEL = f"{KEY} ({ME})"                       # a key as the CLI shows it to a person
+OTHER = f"/opt/tools/otherprog@cafe#{USERS}"
+NOBODY = pwd.getpwnam("nobody").pw_uid
+THEM = NOBODY if os.getuid() != NOBODY else 0      # another user than this test's
+THEM_NAME = pwd.getpwuid(THEM).pw_name
 OBJECTIVE = "time + 0.125/GiB"
 
 
@@ -57,8 +66,8 @@ def make_db(path, exe=EXE, build_id=BUILD, sizes=SIZES):
     and evaluations. Returns the row ids."""
     s = Store(path)
     now = time.time()
-    prog = s.program(exe, build_id, sizes, now=now - 3600)
-    other = s.program("/opt/tools/otherprog", "cafe", sizes, now=now - 7200)
+    prog = s.program(exe, build_id, USERS, sizes, now=now - 3600)
+    other = s.program("/opt/tools/otherprog", "cafe", USERS, sizes, now=now - 7200)
     me = s.process(prog, os.getpid(), proc_start_time(os.getpid()), os.getuid(), now=now - 600)
     gone = s.process(prog, 4_000_000, 1, os.getuid(), now=now - 3000)   # above pid_max: never a live pid
     s.process_exited(gone, now=now - 2000)
@@ -160,7 +169,7 @@ class LiveBackend(StoreBackend):
 
     def live_processes(self):
         return [pb.Process(pid=os.getpid(), start_time=proc_start_time(os.getpid()), program=KEY, alive=True,
-                           threads=7, rss_bytes=3 << 20, allocs_per_s=12345.0, first_seen=time.time())]
+                           uid=os.getuid(), threads=7, rss_bytes=3 << 20, allocs_per_s=12345.0, first_seen=time.time())]
 
     def on_pin(self, program, policy):
         self.pins.append((program["key"], policy["version"]))
@@ -226,14 +235,15 @@ def test_status_offline(capsys, db, run_dir):
     out = ok(capsys, "status", "--db", path, "--run-dir", run_dir)
     assert out.startswith(f"hakmem-learnd is not running; read from {path}\n")
     assert "2 programs known, 3 windows stored, 1 of their processes still running" in out
-    assert re.search(r"^\s+1\s+fakeprog\s+1\s+3\s+-\s+-\s+v2\s+0\.015\s", out, re.M), out
+    assert re.search(rf"^\s+1\s+fakeprog\s+{ME}\s+1\s+3\s+-\s+-\s+v2\s+0\.015\s", out, re.M), out
     data = json.loads(ok(capsys, "status", "--json", "--db", path, "--run-dir", run_dir))
     st = data["status"]
     assert st["running"] is False and st["db_path"] == path and st["windows_stored"] == 3
     assert st["processes"] == 1 and st["programs"] == 1
     progs = {p["key"]: p for p in data["programs"]}
-    assert set(progs) == {KEY, "/opt/tools/otherprog@cafe"}
+    assert set(progs) == {KEY, OTHER}
     p = progs[KEY]
+    assert p["users"] == USERS and p["users_names"] == ME
     assert p["best"]["version"] == 2 and p["pinned"] is None and p["hot_classes"] == [5, 7]
     assert p["processes_seen"] == 3 and p["live_processes"] == 1 and p["objective"] == OBJECTIVE
     assert isinstance(p["id"], int) and p["class_size"] == SIZES
@@ -243,12 +253,13 @@ def test_procs_offline(capsys, db, run_dir):
     path, _ = db
     out = ok(capsys, "procs", "--db", path, "--run-dir", run_dir)
     assert out.startswith("hakmem-learnd is not running; read from")
-    assert re.search(rf"^\s*{os.getpid()}\s+live\s+fakeprog\s", out, re.M), out
+    assert re.search(rf"^\s*{os.getpid()}\s+live\s+fakeprog\s+{ME}\s", out, re.M), out
     assert "4000000" not in out and out.count(f"{os.getpid()} ") == 1     # the stale row is not shown
     data = json.loads(ok(capsys, "procs", "--json", "--db", path, "--run-dir", run_dir))
     assert data["running"] is False
     assert [(p["pid"], p["alive"]) for p in data["processes"]] == [(os.getpid(), True)]
     assert data["processes"][0]["windows"] == 3 and data["processes"][0]["program"] == KEY
+    assert data["processes"][0]["users"] == USERS
     data = json.loads(ok(capsys, "procs", "--all", "--json", "--db", path, "--run-dir", run_dir))
     assert sorted((p["pid"], p["start_time"] == 1, p["alive"]) for p in data["processes"]) == \
         sorted([(os.getpid(), False, True), (4_000_000, True, False), (os.getpid(), True, False)])
@@ -259,7 +270,7 @@ def test_procs_offline(capsys, db, run_dir):
 def test_policy_list_offline(capsys, db, run_dir):
     path, _ = db
     out = ok(capsys, "policy", "list", "--db", path, "--run-dir", run_dir)
-    assert KEY in out and "/opt/tools/otherprog@cafe" in out
+    assert f"\n{LABEL}\n" in f"\n{out}" and f"\n{OTHER} ({ME})\n" in out
     assert re.search(r"^\s+v2\s+learned\s+best\s+0\.015\s+0\.001\s+30\s.*found by gp$", out, re.M), out
     assert re.search(r"^\s+v1\s+default\s+-\s+0\.02\s", out, re.M), out
     rows = json.loads(ok(capsys, "policy", "list", "--json", "--db", path, "--run-dir", run_dir))
@@ -268,12 +279,13 @@ def test_policy_list_offline(capsys, db, run_dir):
     assert [(r["version"], r["origin"], r["best"], r["pinned"]) for r in rows] == \
         [(1, "default", False, False), (2, "learned", True, False), (3, "learned", False, False)]
     assert rows[1]["knobs"]["tcache_cap"][5] == 128 and rows[1]["has_objective"] and rows[2]["evaluations"] == 0
+    assert {r["users"] for r in rows} == {USERS} and {r["program"] for r in rows} == {KEY}
 
 
 def test_policy_show_offline(capsys, db, run_dir):
     path, _ = db
     out = ok(capsys, "policy", "show", "fakeprog", "--db", path, "--run-dir", run_dir)
-    assert out.splitlines()[0] == f"{KEY}  v2 learned (best)"
+    assert out.splitlines()[0] == f"{LABEL}  v2 learned (best)"
     assert "drain_ms 50 (default v1: 100)" in out and "note: found by gp" in out
     assert re.search(r"^\s+5\s+80\s+128 \(64\)\s+16\s+2 \(1\)$", out, re.M), out
     assert re.findall(r"^\s+([-\d]+)\s+([-\d]+)\s", out, re.M) == [("5", "80")]   # only what differs
@@ -296,7 +308,7 @@ def test_policy_show_offline(capsys, db, run_dir):
 def test_policy_diff_offline(capsys, db, run_dir):
     path, _ = db
     out = ok(capsys, "policy", "diff", "fakeprog", "1", "--db", path, "--run-dir", run_dir)
-    assert out.splitlines() == [f"{KEY}: v1 (default) -> v2 (learned, best)", "drain_ms 100 -> 50",
+    assert out.splitlines() == [f"{LABEL}: v1 (default) -> v2 (learned, best)", "drain_ms 100 -> 50",
                                 "class 5 (80 B): tcache_cap 64 -> 128, warm_slabs 1 -> 2", "3 changes in 1 classes"]
     d = json.loads(ok(capsys, "policy", "diff", "fakeprog", "2", "3", "--json", "--db", path, "--run-dir", run_dir))
     assert d["from"]["version"] == 2 and d["to"]["version"] == 3
@@ -308,7 +320,8 @@ def test_policy_diff_offline(capsys, db, run_dir):
 
 def test_programs_are_named_like_find_program(capsys, db, run_dir):
     path, ids = db
-    for name in (str(ids["prog"]), KEY, EXE, "fakeprog"):
+    for name in (str(ids["prog"]), KEY, EXE, "fakeprog", f"fakeprog#{USERS}", f"fakeprog#{ME}", f"{EXE}#{USERS}",
+                 f"{EXE}@{BUILD}"):
         p = json.loads(ok(capsys, "policy", "show", name, "1", "--json", "--db", path, "--run-dir", run_dir))
         assert p["program"] == KEY
     msg = one_error(*cli(capsys, "policy", "show", "nosuch", "--db", path, "--run-dir", run_dir)[::2])
@@ -319,6 +332,24 @@ def test_programs_are_named_like_find_program(capsys, db, run_dir):
     assert "no policy version 9" in msg
     msg = one_error(*cli(capsys, "policy", "show", "otherprog", "--db", path, "--run-dir", run_dir)[::2])
     assert "no pinned or best policy yet" in msg
+
+    # Another user's processes of the same executable: another program, and
+    # the base name alone no longer says which.
+    with contextlib.closing(Store(path)) as s:
+        theirs = s.program(EXE, BUILD, str(THEM), SIZES)
+        s.policy(theirs, DEFAULT, "default")
+    msg = one_error(*cli(capsys, "policy", "show", "fakeprog", "--db", path, "--run-dir", run_dir)[::2])
+    assert msg.startswith("'fakeprog' names 2 programs: ") and msg.endswith("name one of them as shown, or by id")
+    assert f"fakeprog#{USERS} (id {ids['prog']}, users {ME})" in msg and \
+        f"fakeprog#{THEM} (id {theirs}, users {THEM_NAME})" in msg, msg
+    for name in (f"fakeprog#{THEM}", f"fakeprog#{THEM_NAME}", str(theirs)):
+        rows = json.loads(ok(capsys, "policy", "list", name, "--json", "--db", path, "--run-dir", run_dir))
+        assert [(r["program"], r["users"], r["version"]) for r in rows] == [(f"{EXE}@{BUILD}#{THEM}", str(THEM), 1)]
+    rows = json.loads(ok(capsys, "policy", "list", f"fakeprog#{ME}", "--json", "--db", path, "--run-dir", run_dir))
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    out = ok(capsys, "status", "--db", path, "--run-dir", run_dir)
+    assert re.search(rf"^\s+{theirs}\s+fakeprog\s+{THEM_NAME}\s+0\s+0\s", out, re.M), out
+    assert re.search(rf"^\s+{ids['prog']}\s+fakeprog\s+{ME}\s+1\s+3\s", out, re.M), out
 
 
 def test_missing_database(capsys, tmp, run_dir):
@@ -333,7 +364,7 @@ def test_pin_and_unpin_offline(capsys, db, run_dir):
     path, ids = db
     pinned = lambda: sql(path, "SELECT pinned_policy FROM programs WHERE id = ?", ids["prog"])[0][0]  # noqa: E731
     out = ok(capsys, "policy", "pin", "fakeprog", "3", "--db", path, "--run-dir", run_dir)
-    assert out == f"pinned v3 (learned) of {KEY}; hakmem-learnd applies it when it next starts\n"
+    assert out == f"pinned v3 (learned) of {LABEL}; hakmem-learnd applies it when it next starts\n"
     assert pinned() == ids["v3"]
     p = json.loads(ok(capsys, "policy", "show", "fakeprog", "--json", "--db", path, "--run-dir", run_dir))
     assert p["version"] == 3 and p["pinned"] is True           # version 0: the pinned one first
@@ -401,23 +432,24 @@ def test_export_import_roundtrip(capsys, db, tmp, run_dir):
     path, ids = db
     f = os.path.join(tmp, "p.hkpol")
     out = ok(capsys, "policy", "export", "fakeprog", "2", "-o", f, "--db", path, "--run-dir", run_dir)
-    assert out == f"exported v2 (learned) of {KEY} to {f}\n"
+    assert out == f"exported v2 (learned) of {LABEL} to {f}\n"
     e = pb.PolicyExport.FromString(open(f, "rb").read())
-    assert e.format == 1 and e.exe == EXE and e.build_id == BUILD and list(e.class_size) == SIZES
+    assert e.format == 2 and e.exe == EXE and e.build_id == BUILD and list(e.class_size) == SIZES
+    assert e.users == USERS and e.users_names == ME
     assert e.exported_from == socket.gethostname() and abs(e.exported_at - time.time()) < 60
     assert e.policy.id == 0 and e.policy.version == 2 and e.policy.origin == pb.LEARNED
 
     fresh = os.path.join(tmp, "fresh", "learn.db")          # not there yet: import makes it
     p = json.loads(ok(capsys, "policy", "import", f, "--pin", "--json", "--db", fresh, "--run-dir", run_dir))
     assert p["version"] == 1 and p["origin"] == "learned" and p["pinned"] is True and p["program"] == KEY
-    (exe, build, sizes, raw, origin, note), = sql(
-        fresh, "SELECT g.exe, g.build_id, g.class_sizes, p.knobs, p.origin, p.note FROM programs g "
+    (exe, build, users, sizes, raw, origin, note), = sql(
+        fresh, "SELECT g.exe, g.build_id, g.users, g.class_sizes, p.knobs, p.origin, p.note FROM programs g "
                "JOIN policies p ON p.id = g.pinned_policy")
-    assert (exe, build, json.loads(sizes)) == (EXE, BUILD, SIZES)
+    assert (exe, build, users, json.loads(sizes)) == (EXE, BUILD, USERS, SIZES)
     assert json.loads(raw) == canonical(LEARNED) and origin == "learned" and note == "found by gp"
     # Again: the same knobs are the same stored policy.
     out = ok(capsys, "policy", "import", f, "--db", fresh, "--run-dir", run_dir)
-    assert out == f"imported as v1 (learned) of {KEY}\n"
+    assert out == f"imported as v1 (learned) of {LABEL}\n"
     assert sql(fresh, "SELECT count(*) FROM policies") == [(1,)]
 
     # -o - writes the same bytes to stdout (no version: the best).
@@ -430,6 +462,57 @@ def test_export_import_roundtrip(capsys, db, tmp, run_dir):
     ok(capsys, "policy", "export", "fakeprog", "1", "-o", f, "--db", path, "--run-dir", run_dir)
     p = json.loads(ok(capsys, "policy", "import", f, "--json", "--db", fresh, "--run-dir", run_dir))
     assert p["version"] == 2 and p["origin"] == "default" and p["knobs"] == canonical(DEFAULT)
+
+
+def test_import_for_other_users(capsys, db, tmp, run_dir):
+    """policy import goes to the program of the file's users, or of --users:
+    never to another user's program."""
+    path, ids = db
+    f = os.path.join(tmp, "p.hkpol")
+    ok(capsys, "policy", "export", "fakeprog", "3", "-o", f, "--db", path, "--run-dir", run_dir)
+    def mine():
+        return sql(path, "SELECT count(*), max(version) FROM policies WHERE program_id = ?", ids["prog"])
+    before = mine()
+
+    p = json.loads(ok(capsys, "policy", "import", f, "--users", THEM_NAME, "--pin", "--json", "--db", path,
+                      "--run-dir", run_dir))
+    assert p["program"] == f"{EXE}@{BUILD}#{THEM}" and p["users"] == str(THEM) and p["version"] == 1
+    assert p["pinned"] and p["knobs"] == canonical(THIRD)
+    assert mine() == before
+    assert sql(path, "SELECT pinned_policy FROM programs WHERE id = ?", ids["prog"]) == [(None,)]
+    both = ",".join(str(u) for u in sorted({os.getuid(), THEM}))
+    out = ok(capsys, "policy", "import", f, "--users", f"{THEM},{ME}", "--db", path, "--run-dir", run_dir)
+    assert out == f"imported as v1 (learned) of {EXE}@{BUILD}#{both} ({users_names(both)})\n"
+    assert sql(path, "SELECT users FROM programs ORDER BY id") == [(USERS,), (USERS,), (str(THEM),), (both,)]
+
+    msg = one_error(*cli(capsys, "policy", "import", f, "--users", "no-such-user-hk", "--db", path,
+                         "--run-dir", run_dir)[::2])
+    assert msg == "--users: no user named 'no-such-user-hk' on this machine"
+    assert one_error(*cli(capsys, "policy", "import", f, "--users", ",", "--db", path,
+                          "--run-dir", run_dir)[::2]) == "--users names no user"
+
+    # Exported for the same uid by someone of another name: imported for the uid, with a note.
+    e = pb.PolicyExport.FromString(open(f, "rb").read())
+    e.users_names = "someone-else"
+    open(f, "wb").write(e.SerializeToString())
+    out = ok(capsys, "policy", "import", f, "--db", path, "--run-dir", run_dir)
+    assert out.splitlines() == [
+        f"imported as v3 (learned) of {LABEL}",
+        f"note: the file was exported for someone-else (uids {USERS}) on {e.exported_from}; here uids {USERS} "
+        f"are {ME}; --users names the users here"]
+    assert mine() == before
+
+    # A file made before programs were per user says no users: --users is needed.
+    e.format, e.users, e.users_names = 1, "", ""
+    open(f, "wb").write(e.SerializeToString())
+    msg = one_error(*cli(capsys, "policy", "import", f, "--db", path, "--run-dir", run_dir)[::2])
+    assert msg.startswith("the file does not say whose program it was") and msg.endswith("with --users")
+    p = json.loads(ok(capsys, "policy", "import", f, "--users", USERS, "--json", "--db", path, "--run-dir", run_dir))
+    assert p["program"] == KEY and p["version"] == 3 and mine() == before
+    # A format-2 file without its users is cut short.
+    e.format = 2
+    with pytest.raises(ControlError, match=r"^x: not a hakmem policy file \(incomplete: no users \(truncated\?\)\)$"):
+        control.read_export(e.SerializeToString(), "x")
 
 
 def test_import_refuses_corrupt_files(capsys, db, tmp, run_dir):
@@ -488,7 +571,8 @@ def test_commands_through_learnd(capsys, learnd, db, tmp, run_dir):
     assert [(p["pid"], p["threads"], p["rss_bytes"]) for p in procs["processes"]] == [(os.getpid(), 7, 3 << 20)]
     out = ok(capsys, "procs", "--run-dir", run_dir, "--db", nodb)
     assert "not running" not in out
-    assert re.search(rf"^\s*{os.getpid()}\s+live\s+fakeprog\s+7\s+3\.0\s+12,345\s", out, re.M), out
+    assert re.search(rf"^\s*{os.getpid()}\s+live\s+fakeprog\s+{ME}\s+7\s+3\.0\s+12,345\s", out, re.M), out
+    assert procs["processes"][0]["users"] == USERS     # learnd's message lacks it: taken from the key
 
     rows = json.loads(ok(capsys, "policy", "list", "fakeprog", "--json", "--run-dir", run_dir, "--db", nodb))
     assert [r["version"] for r in rows] == [1, 2, 3]
@@ -498,7 +582,7 @@ def test_commands_through_learnd(capsys, learnd, db, tmp, run_dir):
     assert "class 7 (112 B): tcache_cap 64 -> 32" in out
 
     out = ok(capsys, "policy", "pin", "fakeprog", "1", "--run-dir", run_dir, "--db", nodb)
-    assert out == f"pinned v1 (default) of {KEY}; hakmem-learnd applies it now\n"
+    assert out == f"pinned v1 (default) of {LABEL}; hakmem-learnd applies it now\n"
     assert learnd.backend.pins == [(KEY, 1)]
     assert sql(path, "SELECT pinned_policy FROM programs WHERE id = ?", ids["prog"]) == [(ids["v1"],)]
     out = ok(capsys, "policy", "unpin", "fakeprog", "--run-dir", run_dir, "--db", nodb)
@@ -512,6 +596,9 @@ def test_commands_through_learnd(capsys, learnd, db, tmp, run_dir):
     open(f, "wb").write(e.SerializeToString())
     p = json.loads(ok(capsys, "policy", "import", f, "--pin", "--json", "--run-dir", run_dir, "--db", nodb))
     assert p["version"] == 4 and p["pinned"] and learnd.backend.pins[-1] == (KEY, 4)
+    p = json.loads(ok(capsys, "policy", "import", f, "--users", THEM_NAME, "--json", "--run-dir", run_dir,
+                      "--db", nodb))
+    assert p["program"] == f"{EXE}@{BUILD}#{THEM}" and p["version"] == 1 and not p["pinned"]
     assert not os.path.exists(nodb)
     msg = one_error(*cli(capsys, "policy", "show", "nosuch", "--run-dir", run_dir)[::2])
     assert "no program matches 'nosuch'" in msg

@@ -403,10 +403,14 @@ class Proof:
         return self.tmp / tag / "shm"
 
     def measured(self, workload: str, tag: str, seconds: float, on_ring=None) -> dict:
+        from hakmem.lease import Lease
         (self.tmp / tag).mkdir(parents=True, exist_ok=True)
         shm = self.shm(tag)
         shm.mkdir(exist_ok=True)
-        return run_workload(workload, seconds, shm, self.a.seed, on_ring)
+        # Without learnd, the lease held here is what lets the workload make
+        # its telemetry file (the grid's policies are written into it).
+        with Lease(shm, "bench/learn.py"):
+            return run_workload(workload, seconds, shm, self.a.seed, on_ring)
 
     def static(self, workload: str, tag: str, point: dict, seconds: float) -> dict:
         from hakmem.ring import Ring

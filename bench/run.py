@@ -325,7 +325,8 @@ class TelemetryRun:
     def _look(self) -> None:
         while not self._stop.is_set() and not self.saw_ring:
             try:
-                self.saw_ring = bool(os.listdir(self.dir))
+                # learnd.lock is the reader's lease, not a ring file.
+                self.saw_ring = any(n != "learnd.lock" for n in os.listdir(self.dir))
             except OSError:
                 pass
             self._stop.wait(0.005)

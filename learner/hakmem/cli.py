@@ -18,6 +18,8 @@ import time
 
 from . import __version__
 from . import layout as L
+from . import ring as ring_mod
+from .lease import Lease, LeaseError, LeaseHeld
 from .ring import REJECT_REASONS, Ring, RingError, list_files, parse_assignment, resolve, window
 
 CLIENT_TIMEOUT_S = 5.0     # learnd answered a status already; a busy turn may still take a while
@@ -200,12 +202,27 @@ def cmd_list(args):
     return 0
 
 
+def _lease(directory, what):
+    """Holds the directory's lease when nobody does (processes make their
+    files only while somebody reads them); None when learnd or another
+    reader holds it already, which is as good."""
+    d = ring_mod.shm_dir(directory)
+    try:
+        return Lease(d, what).acquire()
+    except LeaseHeld:
+        return None
+    except LeaseError as e:
+        raise RingError(str(e)) from None
+
+
 def cmd_watch(args):
     """Samples every ring in a directory until stopped: what a learner's
-    reader costs a program, without the learner (the bench runner uses it)."""
+    reader costs a program, without the learner (the bench runner uses it).
+    It holds the lease while it runs, unless learnd does."""
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    lease = _lease(args.dir, "hakmem ring watch")
     rings, samples, n = {}, 0, 0
     while not stop and (args.count == 0 or n < args.count):
         n += 1
@@ -221,8 +238,12 @@ def cmd_watch(args):
                 rings[p] = Ring(p)
             except RingError:
                 pass
-        for p, ring in rings.items():
-            rec = ring.latest()
+        for p, ring in list(rings.items()):
+            try:
+                rec = ring.latest()
+            except RingError:        # cut short under us: its owner's doing
+                rings.pop(p).close()
+                continue
             if rec is None:
                 continue
             samples += 1
@@ -232,7 +253,39 @@ def cmd_watch(args):
         time.sleep(args.interval)
     for ring in rings.values():
         ring.close()
+    if lease:
+        lease.release()
     print(f"hakmem ring watch: {samples} samples from {len(rings)} open rings", file=sys.stderr)
+    return 0
+
+
+def cmd_hold(args):
+    """Holds the telemetry directory's lease until stopped, so that preloaded
+    processes publish without learnd (for `ring dump` and `set-policy` by
+    hand, scripts and tests)."""
+    d = ring_mod.shm_dir(args.dir)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    try:
+        os.mkdir(d, 0o700)      # a private one when there is none: this user's processes only
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return _fail(f"cannot create {d}: {e.strerror}")
+    try:
+        lease = Lease(d, "hakmem ring hold").acquire()
+    except LeaseError as e:
+        return _fail(str(e))
+    print(f"holding {d}: processes started with hakmem publish there until this stops", file=sys.stderr, flush=True)
+    end = time.monotonic() + args.seconds if args.seconds else None
+    try:
+        while not stop and (end is None or time.monotonic() < end):
+            time.sleep(0.05)
+            if not lease.held():
+                return _fail(f"lost the lease on {d} (learnd.lock was removed or replaced)")
+    finally:
+        lease.release()
     return 0
 
 
@@ -243,7 +296,8 @@ def _import_learnd():
     and the bench runner start many) about 0.1 s."""
     global ClientBackend, Client, ControlError, StoreBackend, control_path, is_running, knobs_from_pb
     global read_export, recv_event, subscribe, to_dict, default_db, default_run_dir, pb, Store, StoreError
-    from .config import default_db, default_run_dir
+    global users_names
+    from .config import default_db, default_run_dir, users_names
     from .control import (ClientBackend, Client, ControlError, StoreBackend, control_path, is_running,
                           knobs_from_pb, read_export, recv_event, subscribe, to_dict)
     from ._pb import hakmem_pb2 as pb
@@ -276,8 +330,26 @@ def _out_json(data):
 
 
 def _base(key):
-    """A program key's executable base name (keys are exe@build_id)."""
+    """A program key's executable base name (keys are exe@build_id#users)."""
     return os.path.basename(key.rsplit("@", 1)[0]) or key
+
+
+def _names(users):
+    """A program's users for a person: names where uids have one, "-" for none."""
+    return users_names(users) or "-"
+
+
+def _label(key, users=None):
+    """A program key with its users' names when they say more than the uids:
+    /usr/bin/python3.11@ab12#0 (root)."""
+    if users is None:
+        users = key.rsplit("#", 1)[1] if "#" in key else ""
+    names = users_names(users)
+    return f"{key} ({names})" if names and names != users else key
+
+
+def _user(uid):
+    return users_names(str(uid))
 
 
 def _when(t):
@@ -340,13 +412,14 @@ def cmd_status(args):
     if progs:
         rows = []
         for p in progs:
-            rows.append((p.id, _base(p.key), p.live_processes, p.processes_seen, p.state or "-",
+            rows.append((p.id, _base(p.key), _names(p.users), p.live_processes, p.processes_seen, p.state or "-",
                          f"v{p.pinned.version}" if p.HasField("pinned") else "-",
                          f"v{p.best.version}" if p.HasField("best") else "-",
                          f"{p.best.objective:.4g}" if p.HasField("best") and p.best.has_objective else "-",
                          _when(p.last_seen)))
         print()
-        _table(("id", "program", "live", "seen", "state", "pinned", "best", "best cost", "last seen"), rows)
+        _table(("id", "program", "users", "live", "seen", "state", "pinned", "best", "best cost", "last seen"),
+               rows)
     return 0
 
 
@@ -362,15 +435,15 @@ def cmd_procs(args):
         print("no process" + ("" if args.all else " running (--all shows exited ones)"))
         return 0
     if running:
-        rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), p.threads, f"{p.rss_bytes / 2**20:.1f}",
-                 f"{p.allocs_per_s:,.0f}", f"{p.cost:.4g}", p.applied_version, p.windows, _when(p.first_seen))
-                for p in procs]
-        _table(("pid", "state", "program", "threads", "rss MiB", "allocs/s", "cost", "policy", "windows",
+        rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), _user(p.uid), p.threads,
+                 f"{p.rss_bytes / 2**20:.1f}", f"{p.allocs_per_s:,.0f}", f"{p.cost:.4g}", p.applied_version,
+                 p.windows, _when(p.first_seen)) for p in procs]
+        _table(("pid", "state", "program", "user", "threads", "rss MiB", "allocs/s", "cost", "policy", "windows",
                 "first seen"), rows)
     else:
-        rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), p.uid, p.windows, _when(p.first_seen),
-                 _when(p.last_seen)) for p in procs]
-        _table(("pid", "state", "program", "uid", "windows", "first seen", "last seen"), rows)
+        rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), _user(p.uid), p.windows,
+                 _when(p.first_seen), _when(p.last_seen)) for p in procs]
+        _table(("pid", "state", "program", "user", "windows", "first seen", "last seen"), rows)
     return 0
 
 
@@ -414,7 +487,7 @@ def cmd_policy_list(args):
     for i, (key, ps) in enumerate(by_prog.items()):
         if i:
             print()
-        print(key)
+        print(_label(key))
         rows = [(f"v{p.version}", _origin(p), _flags(p) or "-",
                  f"{p.objective:.5g}" if p.has_objective else "-",
                  f"{p.objective_sd:.2g}" if p.has_objective else "-", p.evaluations, _when(p.created),
@@ -457,7 +530,7 @@ def cmd_policy_show(args):
     k = knobs_from_pb(p.knobs)
     base = knobs_from_pb(default.knobs) if default and default.version != p.version else None
     flags = _flags(p)
-    print(f"{p.program}  v{p.version} {_origin(p)}{f' ({flags})' if flags else ''}")
+    print(f"{_label(p.program)}  v{p.version} {_origin(p)}{f' ({flags})' if flags else ''}")
     print(f"cost {_objective(p)}; created {_when(p.created)}")
     if p.note:
         print(f"note: {p.note}")
@@ -500,7 +573,7 @@ def cmd_policy_diff(args):
         _out_json({"program": a.program, "from": to_dict(a), "to": to_dict(c), "changes": changes})
         return 0
     fa, fc = _flags(a), _flags(c)
-    print(f"{a.program}: v{a.version} ({_origin(a)}{', ' + fa if fa else ''}) -> "
+    print(f"{_label(a.program)}: v{a.version} ({_origin(a)}{', ' + fa if fa else ''}) -> "
           f"v{c.version} ({_origin(c)}{', ' + fc if fc else ''})")
     if not changes:
         print("no difference")
@@ -552,7 +625,7 @@ def cmd_policy_pin(args):
     if args.json:
         _out_json(to_dict(p))
     else:
-        print(f"pinned v{p.version} ({_origin(p)}) of {p.program}; {_applied_when(running)}")
+        print(f"pinned v{p.version} ({_origin(p)}) of {_label(p.program)}; {_applied_when(running)}")
     return 0
 
 
@@ -587,7 +660,8 @@ def cmd_policy_export(args):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise ControlError(f"cannot write {args.output}: {e.strerror}") from None
-    print(f"exported v{f.policy.version} ({_origin(f.policy)}) of {f.exe}@{f.build_id} to {args.output}")
+    print(f"exported v{f.policy.version} ({_origin(f.policy)}) of {_label(f'{f.exe}@{f.build_id}#{f.users}')} "
+          f"to {args.output}")
     return 0
 
 
@@ -602,12 +676,16 @@ def cmd_policy_import(args):
         raise ControlError(f"cannot read {args.file}: {e.strerror}") from None
     f = read_export(data, args.file)
     with _backend(args, write=True, create=True) as (b, running):
-        p = b.import_(f, args.pin)
+        p = b.import_(f, args.pin, args.users or "")
     if args.json:
         _out_json(to_dict(p))
-    else:
-        print(f"imported as v{p.version} ({_origin(p)}) of {p.program}"
-              + (f"; pinned: {_applied_when(running)}" if args.pin else ""))
+        return 0
+    print(f"imported as v{p.version} ({_origin(p)}) of {_label(p.program)}"
+          + (f"; pinned: {_applied_when(running)}" if args.pin else ""))
+    if not args.users and f.users_names and f.users_names != users_names(f.users):
+        # The same uids, other people: uids differ between machines.
+        print(f"note: the file was exported for {f.users_names} (uids {f.users}) on {f.exported_from}; "
+              f"here uids {f.users} are {users_names(f.users)}; --users names the users here")
     return 0
 
 
@@ -652,7 +730,8 @@ def _json_arg(p, what="print it as JSON"):
 
 def _add_learnd_commands(sub):
     common = _learnd_parent()
-    prog_help = "a program: its id, key (exe@build_id), executable path or base name"
+    prog_help = ("a program: its id, key (exe@build_id#users), executable path or base name, the last "
+                 "two with #USERS to pick one user's (python3.11#1000, python3.11#root)")
 
     st = sub.add_parser("status", parents=[common], help="hakmem-learnd's state and the programs it knows",
                         description="Asks hakmem-learnd; when it is not running, reads its database.")
@@ -716,10 +795,14 @@ def _add_learnd_commands(sub):
     ex.set_defaults(func=cmd_policy_export)
 
     im = ps.add_parser("import", parents=[common], help="store a policy from a file made by `policy export`",
-                       description="The program is matched by executable and build id (and made if new); "
-                                   "a file whose class table differs from the program's is refused. Without "
+                       description="The program is matched by executable, build id and users (and made if "
+                                   "new): the users the file was exported for (the same uids), or --users; a "
+                                   "file whose class table differs from the program's is refused. Without "
                                    "hakmem-learnd running, the database is written (and made if missing).")
     im.add_argument("file", metavar="FILE", help="the policy file (-: stdin)")
+    im.add_argument("--users", metavar="UIDS|NAMES",
+                    help="the users here whose program gets it, separated by commas (root,postgres or 0,101): "
+                         "uids differ between machines; default: the file's uids")
     im.add_argument("--pin", action="store_true", help="pin it too")
     _json_arg(im)
     im.set_defaults(func=cmd_policy_import)
@@ -774,6 +857,14 @@ def build_parser():
     w.add_argument("--count", type=int, default=0, help="stop after N rounds (default: at SIGTERM)")
     w.add_argument("--json", action="store_true", help="one JSON line per sample")
     w.set_defaults(func=cmd_watch)
+
+    h = rs.add_parser("hold", help="let processes publish without learnd: hold the directory's lease until stopped",
+                      description="Preloaded processes make their telemetry file only while a reader holds "
+                                  "the directory's lease (learnd.lock): hakmem-learnd, `ring watch`, or this. "
+                                  "Run it in the background to use `ring dump` and `ring set-policy` by hand.")
+    h.add_argument("dir", nargs="?", help="telemetry directory (default $HAKMEM_SHM_DIR or /dev/shm/hakmem)")
+    h.add_argument("--seconds", type=float, default=0, help="stop after this long (default: at SIGTERM/SIGINT)")
+    h.set_defaults(func=cmd_hold)
 
     _add_learnd_commands(sub)
     return p

@@ -43,10 +43,11 @@ from .config import Config, ConfigError, load
 from .identity import program_identity
 from .learning import Context, Decision, Evaluation, Window, canonical, same
 from .objective import Prices, default_objective, proc_rss, proc_stat, time_cost
+from .discovery import Candidate, Directory
+from .lease import Lease, LeaseError
 from .ring import Ring, RingError, proc_start_time
-from .store import Store, StoreError
+from .store import Store, StoreError, program_key
 
-_NAME_OK = __import__("re").compile(r"^(\d+)-(\d+)$")
 PENDING_MAX = 200_000          # rows kept in memory while the store cannot be written
 
 
@@ -139,6 +140,7 @@ class Program:
     key: str
     exe: str
     build_id: str
+    users: str                       # whose evidence it pools: one uid, or the configured pool
     header: dict
     program_id: int | None = None
     default: dict | None = None
@@ -169,13 +171,16 @@ class Daemon:
         self.writes = Writes(store, log)
         self.programs: dict[str, Program] = {}
         self.procs: dict[str, Proc] = {}
-        self.ignored: dict[str, tuple] = {}   # path -> (mtime, size) when we last logged why
+        self.dir = Directory(cfg.shm_dir, clock, log)
         self.stop_requested = False
         self.started = clock.time()
         self.next_discover = self.next_sample = 0.0
         self.next_retain = clock.monotonic() + cfg.retain_every
         self.window_start = clock.monotonic()
         self.rep = self.pub = self.zctx = None
+        self.lease: Lease | None = None
+        self.next_lease_check = 0.0
+        self.fatal: str | None = None        # why the loop stopped on its own
         self.turns = 0
         from .learners import LEARNERS   # here: learners import scikit-learn, which is slow to load
         self.learners = LEARNERS
@@ -184,24 +189,58 @@ class Daemon:
 
     # ---- start and stop ---------------------------------------------------------
     def prepare_dirs(self):
+        """The telemetry directory as the trust model needs it, then its lease.
+
+        Root makes it root's, mode 1777 (every user's services publish there;
+        sticky: nobody removes another's file). Whatever squats the name (a
+        link, a file, a directory another user made first) would otherwise
+        keep learnd from starting, or lead it elsewhere: root replaces a link
+        or file, and takes a squatted directory over (chown through a
+        descriptor opened without following links). Anyone else uses only a
+        directory owned by root or by themselves."""
         d = self.cfg.shm_dir
-        try:
-            os.makedirs(d, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"cannot create the telemetry directory {d}: {e.strerror}") from None
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{d} is not a directory")
-        if st.st_uid not in (0, os.geteuid()):
-            raise ConfigError(f"{d} is owned by uid {st.st_uid}, not by root or us: refusing to trust it")
-        if os.geteuid() == 0:
-            want = 0o1777       # every user's services publish here; sticky: none removes another's file
+        root = os.geteuid() == 0
+        for _ in range(3):
+            try:
+                os.mkdir(d, 0o700)
+                self.log("debug", f"created the telemetry directory {d}")
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise ConfigError(f"cannot create the telemetry directory {d}: {e.strerror}") from None
+            st = os.lstat(d)
+            if stat.S_ISDIR(st.st_mode):
+                break
+            if not root:
+                raise ConfigError(f"{d} is not a directory (uid {st.st_uid} made it): refusing to use it")
+            os.unlink(d)
+            self.log("warning", f"{d} was a {'symbolic link' if stat.S_ISLNK(st.st_mode) else 'file'} of "
+                                f"uid {st.st_uid}: removed, making the directory")
         else:
-            want = stat.S_IMODE(st.st_mode) | 0o700
-        if stat.S_IMODE(st.st_mode) != want and st.st_uid == os.geteuid():
-            os.chmod(d, want)
-        elif stat.S_IMODE(st.st_mode) & 0o002 and not st.st_mode & stat.S_ISVTX:
-            raise ConfigError(f"{d} is world-writable without the sticky bit: refusing to use it")
+            raise ConfigError(f"{d} keeps being replaced while learnd makes it")
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise ConfigError(f"cannot open the telemetry directory {d}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid not in (0, os.geteuid()):
+                if not root:
+                    raise ConfigError(f"{d} is owned by uid {st.st_uid}, not by root or us: refusing to trust it")
+                os.fchown(fd, 0, 0)
+                self.log("warning", f"{d} was made by uid {st.st_uid}: took it over (now root's, 1777)")
+                st = os.fstat(fd)
+            want = 0o1777 if root else stat.S_IMODE(st.st_mode) | 0o700
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != want:
+                os.fchmod(fd, want)
+            elif stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+                raise ConfigError(f"{d} is writable by others without the sticky bit: refusing to use it")
+        finally:
+            os.close(fd)
+        try:
+            self.lease = Lease(d).acquire()
+        except LeaseError as e:
+            raise ConfigError(str(e)) from None
 
     def open_endpoints(self):
         import fcntl
@@ -224,6 +263,27 @@ class Daemon:
         self.rep, self.pub = control.bind(self.zctx, self.cfg.run_dir)
         self.backend = _live_backend(self)
 
+    def check_lease(self, now_mono):
+        """Still the holder of the directory's lease? Root may have replaced a
+        user's learnd, or the directory was removed; take it again when we
+        can, stop when another learnd holds it."""
+        if now_mono < self.next_lease_check or self.lease is None:
+            return
+        self.next_lease_check = now_mono + 1.0
+        if self.lease.held():
+            return
+        self.lease.release()
+        self.lease = None
+        try:
+            self.prepare_dirs()
+            self.dir = Directory(self.cfg.shm_dir, self.clock, self.log)
+            self.log("warning", f"the lease on {self.cfg.shm_dir} was lost (directory or learnd.lock removed); "
+                                f"taken again")
+        except ConfigError as e:
+            self.fatal = f"lost the telemetry directory: {e}"
+            self.log("error", self.fatal)
+            self.stop_requested = True
+
     def close(self):
         for prog in self.programs.values():
             self._flush_learner(prog)
@@ -231,6 +291,9 @@ class Daemon:
             p.ring.close()
         self.procs.clear()
         self.writes.flush()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self.zctx is not None:
             for s in (self.rep, self.pub):
                 s.close(linger=0)
@@ -269,69 +332,74 @@ class Daemon:
 
     # ---- discovery ------------------------------------------------------------
     def discover(self, now_mono):
-        d = self.cfg.shm_dir
-        try:
-            names = os.listdir(d)
-        except OSError as e:
-            self.log("error", f"cannot list {d}: {e.strerror}")
-            return
-        present = set()
-        for n in names:
-            m = _NAME_OK.match(n)
-            if not m:
-                continue
-            path = os.path.join(d, n)
-            present.add(path)
-            if path in self.procs:
-                continue
-            pid, start = int(m.group(1)), int(m.group(2))
-            if proc_start_time(pid) != start:
-                self._remove_stale(path, pid)
-                continue
-            self._track(path, pid, now_mono)
-        for path in [p for p in self.procs if p not in present]:
-            self._gone(self.procs[path], "its telemetry file was removed")
-        for path in [p for p in self.ignored if p not in present]:
-            del self.ignored[path]
+        """New files tracked, files gone noticed, within discovery.py's budgets."""
+        tracked = {os.path.basename(p) for p in self.procs}
+        if self.dir.scan(now_mono, tracked):
+            for path in [p for p in self.procs if os.path.basename(p) not in self.dir.names]:
+                self._gone(self.procs[path], "its telemetry file was removed")
+        self.dir.due_retries(now_mono)
+        for c in self.dir.candidates(tracked):
+            if proc_start_time(c.pid) != c.start_time:
+                self._remove_stale(c, now_mono)
+            else:
+                self._track(c, now_mono)
+        if self.dir.changed_by_us:
+            self.dir.changed_by_us = False
+            self.dir.settle()
+        for line in self.dir.summary(now_mono):
+            self.log("warning", line)
 
-    def _ignore(self, path, why):
+    def _ignore(self, c: Candidate, why, now_mono, quiet=False):
+        if self.dir.judge(c, why, now_mono, quiet) and not quiet:
+            self.event("ignored_file", f"{c.name}: {why}", level="warning")
+
+    def _remove_stale(self, c: Candidate, now_mono):
+        """A name whose process is gone: whatever it is (a file left by
+        _exit or a kill, a link, a FIFO), the name goes. unlink never
+        follows a link; the sticky bit lets only its owner or root do it."""
         try:
-            st = os.lstat(path)
-            sig = (st.st_mtime_ns, st.st_size, st.st_uid)
+            if stat.S_ISDIR(os.lstat(c.path).st_mode):
+                self._ignore(c, "a directory, not a telemetry file", now_mono)
+                return
+            os.unlink(c.path)
+            self.dir.removed(c)
+            self.log("debug", f"removed stale telemetry file {c.name} (process {c.pid} is gone)")
+        except FileNotFoundError:
+            self.dir.forget(c.name)
+        except OSError as e:
+            self._ignore(c, f"stale, but cannot be removed: {e.strerror}", now_mono)
+
+    @staticmethod
+    def _age(path) -> float:
+        try:
+            return time.time() - os.lstat(path).st_mtime
+        except OSError:
+            return 0.0
+
+    def _remove_squatter(self, c: Candidate):
+        """A file of one user named after another user's live process keeps
+        that process from making its own (it retries, backing off to 16 s):
+        the name goes, when we may remove it (root may)."""
+        try:
+            os.unlink(c.path)
         except OSError:
             return
-        if self.ignored.get(path) != sig:
-            self.ignored[path] = sig
-            self.event("ignored_file", f"{os.path.basename(path)}: {why}", level="warning")
+        self.dir.forget(c.name)
+        self.dir.changed_by_us = True
+        self.log("warning", f"removed {c.name}: a file of uid {c.uid} named after process {c.pid} of another user")
 
-    def _remove_stale(self, path, pid):
+    def _track(self, c: Candidate, now_mono):
+        path, pid = c.path, c.pid
         try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
-                self._ignore(path, "not a regular file")
-                return
-            os.unlink(path)
-            self.log("info", f"removed stale telemetry file {os.path.basename(path)} (process {pid} is gone)")
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            self._ignore(path, f"stale, but cannot be removed: {e.strerror}")
-
-    def _track(self, path, pid, now_mono):
-        try:
-            with open(path, "rb") as f:
-                if f.read(8) != L.MAGIC:
-                    # Being created (the magic is stored last) or not ours:
-                    # look again later, and say so once it has stayed that way.
-                    if time.time() - os.fstat(f.fileno()).st_mtime > 2.0:
-                        self._ignore(path, "not a hakmem telemetry file (bad magic)")
-                    return
             ring = Ring(path, writable=True)
         except RingError as e:
-            self._ignore(path, str(e).split(": ", 1)[-1])
-            return
-        except OSError as e:
-            self._ignore(path, e.strerror or str(e))
+            why = str(e).split(": ", 1)[-1]
+            # Being created: the magic is stored last. Look again soon and
+            # say nothing unless it stays that way.
+            young = c.ino and "bad magic" in why and self._age(path) < 2.0
+            self._ignore(c, why, now_mono, quiet=young)
+            if not young and "not trusted" in why:
+                self._remove_squatter(c)
             return
         if not ring.alive:
             ring.close()
@@ -339,38 +407,46 @@ class Daemon:
         ident = program_identity(pid)
         if ident is None:
             ring.close()
-            self._ignore(path, f"cannot read /proc/{pid}/exe")
+            self._ignore(c, f"cannot read /proc/{pid}/exe", now_mono)
             return
         exe, build_id = ident
         try:
             header = ring.header()
-            in_force = ring.policy_in_force()
+            in_force = ring.policy_in_force(timeout=0)
         except RingError as e:
             ring.close()
-            self._ignore(path, str(e))
+            self._ignore(c, str(e).split(": ", 1)[-1], now_mono)
             return
-        key = f"{exe}@{build_id}"
+        # Learning is per user (config.py: pool_users): what one user's
+        # processes show never sets the policy of another user's.
+        users = self.cfg.users_key(ring.file_uid)
+        key = program_key(exe, build_id, users)
         now = self.clock.time()
         prog = self.programs.get(key)
         fresh = prog is None
         if prog is None:
-            prog = Program(key=key, exe=exe, build_id=build_id, header=header, first_seen=now)
+            prog = Program(key=key, exe=exe, build_id=build_id, users=users, header=header, first_seen=now)
             self.programs[key] = prog
         elif list(prog.header["class_size"]) != list(header["class_size"]):
             ring.close()
-            self._ignore(path, "its class table differs from the program's other processes")
+            self._ignore(c, "its class table differs from the program's other processes", now_mono)
             return
         prog.last_seen = now
-        p = Proc(path=path, ring=ring, pid=pid, start_time=ring.start_time, uid=header["uid"], program=prog,
+        p = Proc(path=path, ring=ring, pid=pid, start_time=ring.start_time, uid=ring.file_uid, program=prog,
                  first_seen=now)
-        p.prev_rec = ring.latest()
+        try:
+            p.prev_rec = ring.latest()
+        except RingError as e:
+            ring.close()
+            self._ignore(c, str(e).split(": ", 1)[-1], now_mono)
+            return
         p.prev_stat = proc_stat(pid)
         # What it runs now counts as confirmed: a later write replaces it.
         p.written_knobs, p.confirmed_at = canonical(in_force), now_mono
         self.procs[path] = p
         was_idle = not prog.procs
         prog.procs[path] = p
-        self.ignored.pop(path, None)
+        self.dir.forget(c.name)
         self._register(prog, p, in_force if header["applied_version"] == 0 else None, fresh)
         if was_idle:
             self._activate(prog, p)
@@ -382,12 +458,12 @@ class Daemon:
         """Program and process rows; the default policy the first time one is seen."""
         if default_knobs is not None and prog.default is None:
             prog.default = canonical(default_knobs)
-        exe, build_id, sizes = prog.exe, prog.build_id, list(prog.class_size)
+        exe, build_id, users, sizes = prog.exe, prog.build_id, prog.users, list(prog.class_size)
         start, uid, pid = p.start_time, p.uid, p.pid
 
         def op(store: Store):
             if prog.program_id is None:
-                prog.program_id = store.program(exe, build_id, sizes)
+                prog.program_id = store.program(exe, build_id, users, sizes)
             if p.process_id is None:
                 p.process_id = store.process(prog.program_id, pid, start, uid)
         self.writes.add(op)
@@ -419,7 +495,7 @@ class Daemon:
         """The first live process of a program (again): start its learner from
         the best stored policy and what was measured before (warm start)."""
         if prog.default is None:
-            prog.default = self._stored_default(prog) or canonical(p.ring.policy_in_force())
+            prog.default = self._stored_default(prog) or canonical(p.written_knobs)
         over = self.cfg.for_program(prog.exe)
         prog.objective = self._objective_for(prog, p.pid)
         explore = self.cfg.explore if over.explore is None else over.explore
@@ -581,7 +657,11 @@ class Daemon:
                     self._gone(p, "exited")
                     continue
                 self._confirm(p, t1_mono)
-                w = self._proc_window(p, t0_mono, t1_mono)
+                try:
+                    w = self._proc_window(p, t0_mono, t1_mono)
+                except RingError as e:
+                    self._drop(p, str(e).split(": ", 1)[-1], t1_mono)
+                    continue
                 parts.append((p, w))
             if not parts or prog.ctx is None:
                 continue
@@ -640,6 +720,18 @@ class Daemon:
             store.add_windows([row])
         self.writes.add(op)
 
+    def _drop(self, p: Proc, why, now_mono):
+        """A tracked file that can no longer be read (its owner truncated or
+        rewrote it): the process is left, and its name judged like any file
+        we cannot trust, so it is not taken up again every turn."""
+        self._gone(p, f"its telemetry file became unusable ({why})")
+        try:
+            st = os.lstat(p.path)
+        except OSError:
+            return
+        self._ignore(Candidate(os.path.basename(p.path), p.path, p.pid, p.start_time, st.st_uid, st.st_ino),
+                     why, now_mono)
+
     def _gone(self, p: Proc, why):
         prog = p.program
         prog.procs.pop(p.path, None)
@@ -648,8 +740,11 @@ class Daemon:
             p.ring.close()
         except Exception:
             pass
-        if os.path.exists(p.path) and proc_start_time(p.pid) != p.start_time:
-            self._remove_stale(p.path, p.pid)
+        if proc_start_time(p.pid) != p.start_time:
+            try:
+                os.unlink(p.path)
+            except OSError:
+                pass
         now = self.clock.time()
         self.writes.add(lambda s: s.process_exited(p.process_id, now) if p.process_id else None)
         self.event("process_exited", f"{why} after {now - p.first_seen:.1f} s, {p.windows} windows", prog, p.pid)
@@ -667,6 +762,7 @@ class Daemon:
     def turn(self, wait=True):
         """One turn: whatever is due, then wait for the next deadline or a request."""
         now = self.clock.monotonic()
+        self.check_lease(now)
         if now >= self.next_discover:
             self.discover(now)
             self.rss_tick()
@@ -737,9 +833,13 @@ def _live_backend(d: Daemon):
         def live_processes(self):
             out = []
             for p in d.procs.values():
+                try:
+                    applied = p.ring.status()["applied_version"]
+                except RingError:
+                    applied = 0
                 out.append(pb.Process(pid=p.pid, start_time=p.start_time, program=p.program.key, uid=p.uid,
                                       first_seen=p.first_seen, last_seen=d.clock.time(), alive=True,
-                                      applied_version=p.ring.status()["applied_version"],
+                                      applied_version=applied,
                                       rss_bytes=int(p.last_rss), allocs_per_s=p.last_allocs, cost=p.last_cost,
                                       windows=p.windows, threads=p.threads))
             return out
@@ -780,6 +880,28 @@ def _live_backend(d: Daemon):
     return LiveBackend(d.store, run_dir=d.cfg.run_dir, shm_dir=d.cfg.shm_dir)
 
 
+def lock_database(path) -> int:
+    """One learnd per database, whatever its directories: an flock on the
+    database file, held for life. flock, not fcntl: SQLite keeps its own
+    POSIX locks on this file, and a POSIX lock of ours would merge with
+    them (and closing our descriptor would drop theirs). The descriptor is
+    closed only after the store is. Returns it."""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ConfigError(f"cannot open {path} to lock it: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"another hakmem-learnd is using the database {path}") from None
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"cannot lock {path}: {e.strerror}") from None
+    return fd
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="hakmem-learnd",
@@ -797,6 +919,9 @@ def build_parser():
                    help="what to minimise: allocator time + N per GiB resident (default lambda=0.125), or "
                         "time under a memory budget; default: the cgroup's memory limit when there is one")
     p.add_argument("--learner", help="gp (default), missdriven or static")
+    p.add_argument("--pool-users", metavar="USER,...",
+                   help="users whose processes share what is learned about a program (default: none; every "
+                        "user's processes are a program of their own, so no user can steer another's policy)")
     p.add_argument("--no-explore", dest="explore", action="store_false", default=None,
                    help="measure and apply stored policies, never try new ones")
     p.add_argument("--foreground", action="store_true", help="timestamped log lines on stderr "
@@ -817,13 +942,18 @@ def main(argv=None):
     try:
         cfg = load(args.config, db=args.db, shm_dir=args.shm_dir, run_dir=args.run_dir,
                    sample_period=args.sample_period, objective=args.objective, learner=args.learner,
-                   explore=args.explore)
+                   explore=args.explore, pool_users=args.pool_users)
     except ConfigError as e:
         return fail(str(e))
     try:
         store = Store(cfg.db, busy_ms=100)
     except StoreError as e:
         return fail(f"cannot use the database: {e}")
+    try:
+        db_lock = lock_database(cfg.db)
+    except ConfigError as e:
+        store.close()
+        return fail(str(e))
     flag = []
     signal.signal(signal.SIGTERM, lambda *_: flag.append("TERM"))
     signal.signal(signal.SIGINT, lambda *_: flag.append("INT"))
@@ -848,13 +978,16 @@ def main(argv=None):
             d.turn(wait=False)
             d.turn(wait=False)
         else:
-            while not flag:
+            while not flag and not d.stop_requested:
                 d.turn()
-        log("info", f"stopping ({flag[0] if flag else 'once'}): {len(d.procs)} processes, "
+        log("info", f"stopping ({flag[0] if flag else ('lost the telemetry directory' if d.fatal else 'once')}): {len(d.procs)} processes, "
                     f"{len(d.writes.ops)} writes pending")
     finally:
         d.close()
         store.close()
+        os.close(db_lock)   # after SQLite's own descriptors: see lock_database
+    if d.fatal:
+        return fail(d.fatal)
     if d.writes.ops:
         return fail(f"{len(d.writes.ops)} writes could not be stored: {d.writes.failing}")
     return 0

@@ -63,15 +63,52 @@ def elf_build_id(path: str) -> str | None:
     return None
 
 
+# File systems whose reads another user's process can stall at will (a FUSE
+# server is an ordinary program); learnd never opens an executable on one.
+STALLABLE = ("fuse", "fuseblk", "fuse.")
+
+
+def _mount_of(pid: int, path: str) -> str | None:
+    """The file system type of the mount that holds path, as process pid
+    sees its mounts (/proc/<pid>/mountinfo: reading it touches no file
+    system of the process's choosing)."""
+    best, fstype = -1, None
+    try:
+        with open(f"/proc/{pid}/mountinfo", "rb") as f:
+            for line in f:
+                left, _, right = line.partition(b" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                mnt = fields[4].decode("utf-8", "replace").replace("\\040", " ")
+                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) > best:
+                    best, fstype = len(mnt), right.split()[0].decode("utf-8", "replace")
+    except OSError:
+        return None
+    return fstype
+
+
 def program_identity(pid: int) -> tuple[str, str] | None:
     """(executable path, build identity) of a live process, or None if gone
-    or not readable (another user's process when we are not root)."""
+    or not readable (another user's process when we are not root).
+
+    readlink of /proc/<pid>/exe touches no file system; stat and open of it
+    reach the executable's, which for a program run from a FUSE mount is
+    another program that can stall them for ever. Such an executable is
+    identified by its path alone ("unverified")."""
     link = f"/proc/{pid}/exe"
     try:
         exe = os.readlink(link)
-        st = os.stat(link)
     except OSError:
         return None
     exe = exe.removesuffix(" (deleted)")
+    fstype = _mount_of(pid, exe)
+    if fstype is None or fstype.startswith(STALLABLE):
+        return exe, f"unverified:{fstype or 'unknown'}"
+    try:
+        st = os.stat(link)
+    except OSError:
+        return None
     bid = elf_build_id(link)
     return exe, bid if bid else f"stat:{st.st_size}:{int(st.st_mtime)}"

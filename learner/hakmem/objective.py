@@ -109,6 +109,20 @@ def proc_stat(pid: int) -> dict | None:
             "stime": int(rest[12]) / hz, "threads": int(rest[17]), "start_time": int(rest[19])}
 
 
+def proc_uids(pid: int) -> tuple[int, int, int, int] | None:
+    """(real, effective, saved, filesystem) uids of a process, or None if gone.
+    Not the owner of /proc/<pid>: that is root for a non-dumpable process."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    r, e, s, fs = (int(x) for x in line.split()[1:5])
+                    return r, e, s, fs
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def proc_rss(pid: int) -> int | None:
     """Resident bytes (/proc/<pid>/statm), or None if the process is gone."""
     try:

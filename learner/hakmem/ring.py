@@ -6,9 +6,7 @@ the program's identity comes from /proc/<pid>/exe, never from the file.
 
 Every failure is a RingError whose message is one line meant for a person.
 """
-import ctypes
 import errno
-import mmap
 import os
 import re
 import stat
@@ -17,7 +15,7 @@ import time
 import numpy as np
 
 from . import layout as L
-from .objective import proc_stat
+from .objective import proc_stat, proc_uids
 
 DEFAULT_DIR = "/dev/shm/hakmem"
 REJECT_REASONS = {0: "none", 1: "slot version mismatch", 2: "bad checksum", 3: "value out of bounds"}
@@ -43,7 +41,15 @@ def resolve(target, directory=None):
             raise RingError(f"cannot list {d}: {e.strerror}") from None
         if not names:
             raise RingError(f"no telemetry file for pid {pid} in {d}")
-        # After an exec the newest start time is the live image.
+        # The live process's own file: anyone can make files named after
+        # another's pid with some other start time. A process that is gone
+        # has only stale files left; the newest is the last image's.
+        start = proc_start_time(pid)
+        if start is not None:
+            if f"{pid}-{start}" not in names:
+                raise RingError(f"no telemetry file for the running process {pid} in {d} "
+                                f"(only files of earlier processes with that pid)")
+            return os.path.join(d, f"{pid}-{start}")
         names.sort(key=lambda n: int(n.split("-")[1]))
         return os.path.join(d, names[-1])
     return str(target)
@@ -82,12 +88,25 @@ def encode_slot(pol, version, checksum=None):
     return bytes(b)
 
 
+# Bounds on what a header may claim before we believe it: a hostile file
+# must not make a reader allocate or read without limit.
+MAX_SLOTS = 1 << 16
+MAX_FILE = L.HEADER_SIZE + MAX_SLOTS * L.RECORD.itemsize + L.POLICY_AREA.itemsize + (1 << 16)
+
+
 class Ring:
-    """One telemetry file, mapped read-only (or read-write to write policies)."""
+    """One telemetry file, read with pread and written with pwrite.
+
+    Never mapped: the file's owner can truncate it at any moment, and a
+    mapping of a truncated file kills its reader with SIGBUS. A short read
+    is a RingError instead. The file is opened without following links and
+    without blocking (a FIFO under the name would hang a plain open), and
+    only a regular file is read."""
 
     def __init__(self, path, writable=False, trust=True):
         self.path = path
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = -1
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(path, flags)
         except OSError as e:
@@ -102,25 +121,56 @@ class Ring:
             self.size = st.st_size
             if self.size < L.HEADER_SIZE:
                 raise RingError(f"{path}: truncated: {self.size} bytes, smaller than the {L.HEADER_SIZE}-byte header")
-            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self.mm = mmap.mmap(fd, self.size, access=access)
-        finally:
+            if self.size > MAX_FILE:
+                raise RingError(f"{path}: {self.size} bytes is larger than any telemetry file")
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd = fd
         self.writable = writable
-        self._validate()
-        self.alive = proc_start_time(self.pid) == self.start_time
-        if trust and self.alive:
-            try:
-                proc_uid = os.stat(f"/proc/{self.pid}").st_uid
-            except OSError:
-                proc_uid = None
-            if proc_uid is not None and proc_uid != self.file_uid:
-                raise RingError(f"{path}: owned by uid {self.file_uid} but process {self.pid} runs as "
-                                f"uid {proc_uid}: not trusted")
+        try:
+            self._validate()
+            self.alive = proc_start_time(self.pid) == self.start_time
+            if trust and self.alive:
+                uids = proc_uids(self.pid)
+                if uids is not None and self.file_uid != uids[1]:
+                    raise RingError(f"{path}: owned by uid {self.file_uid} but process {self.pid} runs as "
+                                    f"uid {uids[1]}: not trusted")
+                if proc_start_time(self.pid) != self.start_time:   # the pid was reused while we looked
+                    self.alive = False
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- raw access ------------------------------------------------------------
+    def read(self, offset, n) -> bytes:
+        """n bytes at offset; a file cut shorter than that is a RingError."""
+        try:
+            b = os.pread(self.fd, n, offset)
+        except OSError as e:
+            raise RingError(f"{self.path}: {e.strerror}") from None
+        if len(b) != n:
+            raise RingError(f"{self.path}: truncated while being read ({offset + len(b)} of {offset + n} bytes)")
+        return b
+
+    def write(self, offset, data):
+        """Writes data at offset (policy slots; tests forge bytes with it)."""
+        if not self.writable:
+            raise RingError(f"{self.path}: opened read-only")
+        try:
+            n = os.pwrite(self.fd, data, offset)
+        except OSError as e:
+            raise RingError(f"{self.path}: {e.strerror}") from None
+        if n != len(data):
+            raise RingError(f"{self.path}: short write ({n} of {len(data)} bytes)")
+
+    def _read_u64(self, offset):
+        return int.from_bytes(self.read(offset, 8), "little")
 
     def _validate(self):
-        h = np.frombuffer(self.mm, dtype=L.HEADER, count=1)[0]
-        if bytes(self.mm[0:8]) != L.MAGIC:
+        raw = self.read(0, L.HEADER_SIZE)
+        h = np.frombuffer(raw, dtype=L.HEADER, count=1)[0]
+        if raw[0:8] != L.MAGIC:
             raise RingError(f"{self.path}: not a hakmem telemetry file (bad magic)")
         v = int(h["layout_version"])
         if v > L.LAYOUT_VERSION:
@@ -136,7 +186,7 @@ class Ring:
                 raise RingError(f"{self.path}: header says {field}={int(h[field])}, layout says {want}")
         slots = int(h["ring_slots"])
         need = L.HEADER_SIZE + slots * L.RECORD.itemsize + L.POLICY_AREA.itemsize
-        if slots == 0 or int(h["policy_offset"]) != L.HEADER_SIZE + slots * L.RECORD.itemsize:
+        if not 0 < slots <= MAX_SLOTS or int(h["policy_offset"]) != L.HEADER_SIZE + slots * L.RECORD.itemsize:
             raise RingError(f"{self.path}: inconsistent ring geometry ({slots} slots, policy at "
                             f"{int(h['policy_offset'])})")
         if int(h["file_size"]) != self.size or self.size < need:
@@ -152,7 +202,9 @@ class Ring:
                             f"start time {self.start_time})")
 
     def close(self):
-        self.mm.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self):
         return self
@@ -162,7 +214,7 @@ class Ring:
 
     # ---- header ---------------------------------------------------------------
     def header(self):
-        h = np.frombuffer(self.mm, dtype=L.HEADER, count=1)[0].copy()
+        h = np.frombuffer(self.read(0, L.HEADER_SIZE), dtype=L.HEADER, count=1)[0]
         out = {}
         for name in L.HEADER.names:
             if name.startswith("_"):
@@ -176,50 +228,56 @@ class Ring:
                 out[name] = int(v)
         return out
 
-    def _read_u64(self, offset):
-        return int.from_bytes(self.mm[offset:offset + 8], "little")
-
     def ring_head(self):
         return self._read_u64(L.offset_of("header", "ring_head"))
 
     def exited(self):
         o = L.offset_of("header", "state")
-        return int.from_bytes(self.mm[o:o + 4], "little") == 1
+        return int.from_bytes(self.read(o, 4), "little") == 1
 
     # ---- records --------------------------------------------------------------
+    def _stable(self, slot, head):
+        """Slot's record if it is stable and belongs to the ring as of head,
+        else None. Seqlock read: sequence, record, sequence, each its own
+        pread, so the kernel entry between them orders the loads."""
+        size = L.RECORD.itemsize
+        off = self.ring_offset + slot * size
+        seq = self._read_u64(off)
+        if seq % 2 or seq == 0:
+            return None
+        rec = np.frombuffer(self.read(off, size), dtype=L.RECORD)[0].copy()
+        if self._read_u64(off) != seq or int(rec["seq"]) != seq:
+            return None
+        idx = int(rec["index"])
+        if not (idx < head and idx + self.slots >= head and idx % self.slots == slot):
+            return None
+        return rec
+
     def records(self):
         """Every stable record still in the ring, oldest first (numpy array)."""
-        def seqs():   # every slot's sequence number, read in place
-            return np.frombuffer(self.mm, dtype=L.RECORD, count=self.slots, offset=self.ring_offset)["seq"].copy()
-
-        for _ in range(10):
-            head = self.ring_head()
-            seqs_before = seqs()
-            recs = np.frombuffer(self.mm, dtype=L.RECORD, count=self.slots, offset=self.ring_offset).copy()
-            seqs_after = seqs()
-            ok = (seqs_before == seqs_after) & (recs["seq"] == seqs_before) & (recs["seq"] % 2 == 0) & (recs["seq"] > 0)
-            ok &= (recs["index"] < head) & (recs["index"] + self.slots >= head)
-            if head and not ok.any():
-                continue   # every slot moved under us: read again
-            out = recs[ok]
-            return out[np.argsort(out["index"], kind="stable")]
-        raise RingError(f"{self.path}: the ring kept changing while being read")
+        head = self.ring_head()
+        got = [r for r in (self._stable(s, head) for s in range(min(head, self.slots))) if r is not None]
+        if not got:
+            return np.zeros(0, dtype=L.RECORD)
+        out = np.array(got, dtype=L.RECORD)
+        return out[np.argsort(out["index"], kind="stable")]
 
     def latest(self):
         """The newest stable record, or None. Reads one slot (8 KiB), not the
-        whole ring: this is what a sampler calls ten times a second."""
-        size = L.RECORD.itemsize
-        for _ in range(10):
+        whole ring: this is what a sampler calls every window. A slot being
+        written is passed over for the one before it; a writer that keeps
+        every slot unstable (nobody honest does, records come an epoch
+        apart) gets None after a few reads, not a walk of the ring."""
+        for _ in range(3):
             head = self.ring_head()
             if head == 0:
                 return None
-            off = self.ring_offset + ((head - 1) % self.slots) * size
-            seq = self._read_u64(off)
-            rec = np.frombuffer(self.mm[off:off + size], dtype=L.RECORD)[0].copy()
-            if seq % 2 == 0 and self._read_u64(off) == seq == int(rec["seq"]) and int(rec["index"]) == head - 1:
-                return rec
-        recs = self.records()   # the writer keeps lapping us: take what is stable
-        return recs[-1] if len(recs) else None
+            for back in (1, 2):
+                if back <= min(head, self.slots):
+                    rec = self._stable((head - back) % self.slots, head)
+                    if rec is not None:
+                        return rec
+        return None
 
     # ---- policy ---------------------------------------------------------------
     def _slot_bytes(self, which):
@@ -228,7 +286,7 @@ class Ring:
             off = base + L.offset_of("policy_area", "in_force")
         else:
             off = base + L.offset_of("policy_area", "slot") + which * L.POLICY_SLOT.itemsize
-        return off, bytes(self.mm[off:off + L.POLICY_SLOT.itemsize])
+        return off, self.read(off, L.POLICY_SLOT.itemsize)
 
     @staticmethod
     def slot_to_policy(b):
@@ -236,15 +294,21 @@ class Ring:
         return {"version": int(s["version"]), "drain_ms": int(s["drain_ms"]),
                 **{k: [int(x) for x in s[k]] for k in L.KNOBS_PER_CLASS}}
 
-    def policy_in_force(self):
-        """The policy the allocator has in force (retried while it is rewritten)."""
-        for _ in range(100):
+    def policy_in_force(self, timeout=0.1):
+        """The policy the allocator has in force. The allocator rewrites it
+        under its policy lock, checksum last, so a mismatch is retried; for
+        at most `timeout` seconds (learnd passes 0: a file that never reads
+        consistently must not cost it more than a few reads per turn)."""
+        end = time.monotonic() + timeout
+        for attempt in range(1000):
             _, b = self._slot_bytes("in_force")
             chk = int.from_bytes(b[8:16], "little")
             if chk and chk == slot_checksum(b):
                 return self.slot_to_policy(b)
-            time.sleep(0.001)
-        raise RingError(f"{self.path}: the policy in force could not be read consistently")
+            if attempt >= 2 and time.monotonic() >= end:
+                break
+            time.sleep(0.001 if attempt >= 2 else 0)
+        raise RingError(f"{self.path}: the policy in force could not be read consistently (bad checksum)")
 
     def published_version(self):
         return self._read_u64(self.policy_offset + L.offset_of("policy_area", "version"))
@@ -285,17 +349,20 @@ class Ring:
             version = max(self.published_version(), h["applied_version"], h["seen_version"]) + 1
         b = encode_slot(pol, version)
         off, _ = self._slot_bytes(version % 2)
-        self.mm[off:off + len(b)] = b
+        self.write(off, b)
         self.publish(version)
         return version
 
     def publish(self, version):
-        """Stores the version word (one aligned 8-byte store: x86 keeps it after
-        the slot's stores, which is the release order the allocator needs)."""
+        """Stores the version word after the slot: two pwrites, in this order.
+        On x86 the kernel's copies keep program order (release enough for the
+        allocator's acquire load); an 8-byte aligned word read torn would
+        name a slot whose version differs, which the allocator rejects and
+        examines again when the word settles."""
         wp = self.policy_offset + L.offset_of("policy_area", "writer_pid")
-        self.mm[wp:wp + 4] = os.getpid().to_bytes(4, "little")
+        self.write(wp, os.getpid().to_bytes(4, "little"))
         word = self.policy_offset + L.offset_of("policy_area", "version")
-        ctypes.c_uint64.from_buffer(self.mm, word).value = version
+        self.write(word, int(version).to_bytes(8, "little"))
 
     def wait_applied(self, version, timeout=1.0):
         """Waits until the allocator examined `version`; returns (applied, status)."""

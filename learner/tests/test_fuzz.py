@@ -23,7 +23,7 @@ def slot_offset(ring, which):
 
 def publish_raw(ring, version, slot_bytes):
     off = slot_offset(ring, version)
-    ring.mm[off:off + SLOT] = slot_bytes
+    ring.write(off, slot_bytes)
     ring.publish(version)
 
 
@@ -60,7 +60,7 @@ r = Ring(sys.argv[2], writable=True)
 off, n = int(sys.argv[3]), int(sys.argv[4])
 data = bytes.fromhex(sys.argv[5])
 for i in range(0, n, 8):          # slowly, so the kill lands mid-slot
-    r.mm[off + i:off + i + 8] = data[i:i + 8]
+    r.write(off + i, data[i:i + 8])
     if i == (n // 16) * 8:
         print("half", flush=True)
         time.sleep(30)
@@ -126,7 +126,7 @@ def test_hostile_snapshots_are_rejected_whole(shm):
             # A random version word over whatever the slots hold.
             version += rng.randrange(1, 1 << 40)
             off = slot_offset(ring, version)
-            ring.mm[off:off + SLOT] = rng.randbytes(SLOT)
+            ring.write(off, rng.randbytes(SLOT))
             ring.publish(version)
             expect_rejected(version, None, "a random version word")
 

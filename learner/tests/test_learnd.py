@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, WORKLOAD, clean_env, proc_start_time, ring_path, start, wait_for
 
 sys.path.insert(0, str(ROOT / "learner"))
+from hakmem.lease import Lease  # noqa: E402
 from hakmem.ring import Ring  # noqa: E402
 from hakmem.store import Store  # noqa: E402
 
@@ -27,10 +28,11 @@ PERIOD = 0.5         # learnd's window in these tests
 class Learnd:
     """hakmem-learnd in a private directory, its log in a file."""
 
-    def __init__(self, tmp, *extra, db=None, wait_ready=True, period=PERIOD):
+    def __init__(self, tmp, *extra, db=None, shm=None, run=None, wait_ready=True, period=PERIOD):
         self.tmp = pathlib.Path(tmp)
-        self.shm = self.tmp / "shm"
-        self.run = self.tmp / "run"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.shm = pathlib.Path(shm) if shm else self.tmp / "shm"
+        self.run = pathlib.Path(run) if run else self.tmp / "run"
         self.db = pathlib.Path(db) if db else self.tmp / "learn.db"
         self.logpath = self.tmp / f"learnd-{time.monotonic_ns()}.log"
         self.log = open(self.logpath, "w")
@@ -58,6 +60,11 @@ class Learnd:
 
     def wait_log(self, needle, timeout=10):
         wait_for(lambda: needle in self.text(), timeout, f"{needle!r} in learnd's log:\n{self.text()[-3000:]}")
+
+
+def telemetry_files(shm):
+    """What is in a telemetry directory besides learnd's lease."""
+    return [p.name for p in shm.iterdir() if p.name != "learnd.lock"]
 
 
 def db_rows(db, sql, *args):
@@ -94,7 +101,7 @@ def test_discovers_samples_stores_and_cleans_up(tmp_path):
     n, with_policy, allocs = db_rows(d.db, "SELECT count(*), count(policy_id), max(allocs) FROM windows")[0]
     assert n >= 4 and with_policy >= 3 and allocs > 1e6, (n, with_policy, allocs)
     assert db_rows(d.db, "SELECT origin FROM policies") == [("default",)]
-    assert list(d.shm.iterdir()) == []
+    assert telemetry_files(d.shm) == []
     assert db_rows(d.db, "PRAGMA integrity_check") == [("ok",)]
     assert oct(d.shm.stat().st_mode & 0o7777) in ("0o1777", "0o700", "0o1700")
 
@@ -132,16 +139,18 @@ def test_learns_a_deeper_cache_for_a_bursty_program_and_remembers_it(tmp_path):
 def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
     shm0 = tmp_path / "shm0"
     shm0.mkdir()
-    w = start(["burst", 64, 3000, 1], shm0)
-    with Ring(ring_path(shm0, w.pid)) as r:
-        header, knobs = r.header(), r.policy_in_force()
-    finish(w)
+    with Lease(shm0, "test"):
+        w = start(["burst", 64, 3000, 1], shm0)
+        with Ring(ring_path(shm0, w.pid)) as r:
+            header, knobs = r.header(), r.policy_in_force()
+        finish(w)
     del knobs["version"]
     knobs["tcache_cap"][CLS64] = 3333
     knobs["tcache_batch"][CLS64] = 256
     from hakmem.identity import elf_build_id
     s = Store(tmp_path / "learn.db")
-    pid_ = s.program(os.path.realpath(WORKLOAD), elf_build_id(str(WORKLOAD)), header["class_size"])
+    pid_ = s.program(os.path.realpath(WORKLOAD), elf_build_id(str(WORKLOAD)), str(os.getuid()),
+                     header["class_size"])
     pol = s.policy(pid_, knobs, "learned")
     s.set_best(pid_, pol)
     s.close()
@@ -209,7 +218,7 @@ def test_fifty_short_lived_processes_leave_nothing_behind(tmp_path):
                 killed += 1
             for w in ws:
                 w.communicate(timeout=30)
-        wait_for(lambda: not list(d.shm.iterdir()), 5, "an empty telemetry directory")
+        wait_for(lambda: not telemetry_files(d.shm), 5, "no telemetry file left")
         d.wait_log("process_exited", 5)
         time.sleep(2 * PERIOD)
         assert open_fds(d.proc.pid) <= fds0 + 1, (fds0, os.listdir(f"/proc/{d.proc.pid}/fd"))
@@ -303,13 +312,28 @@ def test_read_only_database_is_a_one_line_error(tmp_path):
     assert len(lines) == 1 and "read-only" in lines[0], lines
 
 
-def test_one_learnd_per_run_directory(tmp_path):
+def test_one_learnd_per_run_directory_database_and_telemetry_directory(tmp_path):
+    """Two learnds on one database, one telemetry directory or one run
+    directory would tune the same processes twice, or answer on one socket:
+    the second is refused with one line, whichever it shares. (Before: a
+    lock on the run directory only; removing that directory let a second
+    learnd start on the same database and processes.)"""
     d = Learnd(tmp_path, "--learner", "static")
     try:
-        again = Learnd(tmp_path, "--learner", "static", db=tmp_path / "other.db", wait_ready=False)
+        for shares, kw, says in (
+                ("run dir", dict(db=tmp_path / "o1.db", shm=tmp_path / "shm1"), "another hakmem-learnd is running on"),
+                ("database", dict(run=tmp_path / "run2", shm=tmp_path / "shm2"),
+                 "another hakmem-learnd is using the database"),
+                ("telemetry dir", dict(db=tmp_path / "o3.db", run=tmp_path / "run3"), "already holds")):
+            again = Learnd(tmp_path, "--learner", "static", wait_ready=False, **kw)
+            assert again.proc.wait(30) == 1, shares
+            lines = again.text().strip().splitlines()
+            assert len(lines) == 1 and says in lines[0], (shares, lines)
+        # The run directory removed under the first: still one learnd per database.
+        subprocess.run(["rm", "-rf", str(d.run)], check=True)
+        again = Learnd(tmp_path, "--learner", "static", wait_ready=False, shm=tmp_path / "shm4")
         assert again.proc.wait(30) == 1
-        lines = again.text().strip().splitlines()
-        assert len(lines) == 1 and "another hakmem-learnd is running" in lines[0], lines
+        assert "another hakmem-learnd is using the database" in again.text(), again.text()
         assert d.proc.poll() is None
     finally:
         assert d.stop() == 0, d.text()

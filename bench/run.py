@@ -566,11 +566,14 @@ def markdown(result: dict) -> str:
         # makes the file only after one: no file there is the expected case.
         tel_runs = [r for name, c in result["configs"].items() if name != "startup"
                     for r in c["raw"].get("hakmem-tel", []) if r["ok"]]
-        unseen = sum(not r["ring_file_seen"] for r in tel_runs)
+        unseen = [name for name, c in result["configs"].items() if name != "startup"
+                  for r in c["raw"].get("hakmem-tel", []) if r["ok"] and not r["ring_file_seen"]]
         if unseen:
-            lines += ["", f"hakmem-tel: no ring file appeared in the telemetry directory in {unseen} of {len(tel_runs)} "
-                      "runs: hakmem makes the file one telemetry epoch (100 ms) after start, so runs shorter than that "
-                      "(--quick) have none; otherwise telemetry was not on."]
+            where = ", ".join(f"{n} {unseen.count(n)}" for n in dict.fromkeys(unseen))
+            lines += ["", f"hakmem-tel: no ring file appeared in the telemetry directory in {len(unseen)} of "
+                      f"{len(tel_runs)} runs ({where}): hakmem makes the file at a slow path one telemetry epoch "
+                      "(100 ms) after start, so runs shorter than that (--quick), and programs whose thread caches "
+                      "serve every call after that (no slow path, so no file), have none."]
     return "\n".join(lines) + "\n"
 
 

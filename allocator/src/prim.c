@@ -146,6 +146,7 @@ static void describe(const struct stat* sb, hk_file_info_t* info) {
   info->ino = (uint64_t)sb->st_ino;
   info->uid = (uint32_t)sb->st_uid;
   info->mode = (uint32_t)sb->st_mode;
+  info->nlink = (uint32_t)sb->st_nlink;
 }
 
 /* Opens with flags and describes the result; closes it when fstat fails. */

@@ -42,6 +42,7 @@ typedef struct hk_file_info_s {
   uint64_t dev, ino;
   uint32_t uid;     /* owner */
   uint32_t mode;    /* st_mode: type and permission bits */
+  uint32_t nlink;   /* names it has (a hard link made by someone else: > 1) */
 } hk_file_info_t;
 /* Opens a directory (O_RDONLY|O_DIRECTORY|O_NOFOLLOW) and describes it:
  * a symbolic link fails with ELOOP or ENOTDIR. */

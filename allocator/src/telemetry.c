@@ -79,7 +79,7 @@ enum {
   WHY_WAITING,          /* not tried yet: the first try is one epoch after start */
   WHY_NO_DIR,           /* the directory does not exist (no learnd) */
   WHY_NO_LEASE,         /* nobody holds learnd.lock */
-  WHY_LEASE_UNTRUSTED,  /* learnd.lock is not a regular file of root or ours (arg: owner) */
+  WHY_LEASE_UNTRUSTED,  /* learnd.lock is not a regular file of root or ours with one name (arg: owner) */
   WHY_DIR_LINK,         /* the directory is a symbolic link or not a directory */
   WHY_DIR_OWNER,        /* the directory belongs to another user (arg: owner) */
   WHY_DIR_MODE,         /* others may write it and it is not sticky */
@@ -339,7 +339,10 @@ static bool lease_held(int dfd, uint32_t euid) {
   hk_file_info_t l;
   if (_hk_os_open_read_at(dfd, LEASE_NAME, &fd, &l) != 0) return not_made(WHY_NO_LEASE, 0);
   bool locked = false;
-  bool trusted = S_ISREG(l.mode) && (l.uid == 0 || l.uid == euid);
+  /* One name only: where hard links to others' files are allowed
+   * (fs.protected_hardlinks=0), a link to some locked file of root's is
+   * not a lease. */
+  bool trusted = S_ISREG(l.mode) && (l.uid == 0 || l.uid == euid) && l.nlink == 1;
   if (trusted && _hk_os_write_locked(fd, &locked) != 0) locked = false;
   _hk_os_close(fd);
   if (!trusted) return not_made(WHY_LEASE_UNTRUSTED, l.uid);
@@ -552,7 +555,7 @@ size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures) {
       n = _hk_fmt(buf, cap, "  telemetry: off: no lease: nobody holds %s/" LEASE_NAME " (no learnd)", dir); break;
     case WHY_LEASE_UNTRUSTED:
       n = _hk_fmt(buf, cap, "  telemetry: off: no lease: %s/" LEASE_NAME " is not a regular file of root or"
-                  " ours (owner uid %u)", dir, arg); break;
+                  " ours with one name (owner uid %u)", dir, arg); break;
     case WHY_DIR_LINK:
       n = _hk_fmt(buf, cap, "  telemetry: off: untrusted directory %s: a symbolic link or not a directory", dir); break;
     case WHY_DIR_OWNER:

@@ -137,7 +137,7 @@ class Directory:
         self.scan_s = self.clock.perf_counter() - t0
         self.ident, self.last_scan = ident, now
         self.next_scan = now + self.scan_s / SCAN_SHARE
-        self.names = names
+        before, self.names = self.names, names
         for table in (self.judged, self.owner):
             for n in [n for n in table if n not in names]:
                 del table[n]
@@ -147,14 +147,20 @@ class Directory:
             j = self.judged.get(n)
             if j is not None and j.ino == ino and now < j.next_look:
                 continue
-            self._queue(n)
+            self._queue(n, new=n not in before)
         return True
 
-    def _queue(self, n):
+    def _queue(self, n, new=False):
+        """Queues n for examination. A name new since the last listing goes
+        ahead of those whose owner is still unknown: a process that started
+        after somebody made thousands of names is looked at next turn, not
+        after them."""
         self.queued.add(n)
         known = self.owner.get(n)
         if known is not None and known[0] == self.names.get(n):
             self.queues.setdefault(known[1], collections.deque()).append(n)
+        elif new:
+            self.unsorted.appendleft(n)
         else:
             self.unsorted.append(n)
 

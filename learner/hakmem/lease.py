@@ -14,8 +14,10 @@ CONTRACT (the other side: allocator/src/telemetry.c, lease_held)
     its lock when the allocator opens and closes the file to look at it
     (a POSIX fcntl lock would be dropped by that close).
  3. The allocator believes a lease only when the file is a regular file
-    owned by root or by the process's own effective user; it tests for a
-    write lock with F_OFD_GETLK and never takes one.
+    with one name, owned by root or by the process's own effective user; it
+    tests for a write lock with F_OFD_GETLK and never takes one. The holder
+    writes only into a file it created or that passes the same checks (a
+    hard link to another file of its owner is replaced, never written).
  4. Only the file's owner can open it for writing, so only the owner can
     hold the lease. The file is created 0600, locked, and only then made
     0644: nobody can open a fresh file to take a read lock on it first.
@@ -72,7 +74,7 @@ def holder(directory) -> str | None:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()) or st.st_nlink != 1:
             return None
         if struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_RDLCK)))[0] != fcntl.F_WRLCK:
             return None
@@ -116,9 +118,11 @@ class Lease:
             self._raise_if_held(dfd)
             return self._replace(dfd, why=e.strerror)
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        # A file with another name too could be anybody's file of ours that
+        # somebody linked here (fs.protected_hardlinks=0): never written.
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_size > 4096:
             os.close(fd)
-            return self._replace(dfd, why="not a regular file of ours")
+            return self._replace(dfd, why="not a lease file of ours")
         if _try_lock(fd):
             self._own(fd)
             return True

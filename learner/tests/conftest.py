@@ -48,9 +48,13 @@ def shm(tmp_path):
 USERS = ("hakmem-mallory", "hakmem-alice")
 
 
-def need_root():
+def need_root(why="creates accounts (useradd) and runs as them (setpriv)"):
     if os.geteuid() != 0:
-        pytest.skip("needs root: creates accounts (useradd) and runs as them (setpriv)")
+        pytest.skip(f"needs root: {why}")
+
+
+def need_accounts():
+    need_root()
     for tool in ("useradd", "setpriv"):
         if not shutil.which(tool):
             pytest.skip(f"needs {tool} (Debian: passwd, util-linux)")
@@ -58,7 +62,7 @@ def need_root():
 
 def user(name):
     """(uid, gid) of a test account, created when missing."""
-    need_root()
+    need_accounts()
     try:
         pw = pwd.getpwnam(name)
     except KeyError:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import as_user, proc_start_time, ring_path, start, start_as, wait_for
+from conftest import as_user, need_root, proc_start_time, ring_path, start, start_as, wait_for
 from hakmem.lease import Lease
 
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else shutil.which("python3")
@@ -44,11 +44,6 @@ def run_stats(shm_dir, seconds=0.6, watch=None, **env):
         time.sleep(0.01)
     out, err = p.communicate(timeout=60)
     return p.returncode, err, sorted(seen)
-
-
-def need_root(why):
-    if os.geteuid() != 0:
-        pytest.skip(f"needs root: {why}")
 
 
 # ---- 1. a full filesystem ------------------------------------------------------

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import (ROOT, USERS, WORKLOAD, as_user, clean_env, need_root, proc_start_time, ring_path, run_cli,
+from conftest import (ROOT, USERS, WORKLOAD, as_user, clean_env, need_accounts, proc_start_time, ring_path, run_cli,
                       start, start_as, wait_for)
 from test_learnd import CLS64, Learnd, db_rows, finish
 
@@ -31,7 +31,7 @@ from hakmem.ring import Ring  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _root():
-    need_root()
+    need_accounts()
 
 
 def cpu_seconds(pid):
@@ -313,7 +313,7 @@ def test_one_user_cannot_stall_learning_for_everyone(tmp_path, shared_shm, mallo
     assert n >= 12, f"root's 10 s process got {n} windows of 0.5 s"
     assert cpu < 0.10, f"learnd used {cpu:.1%} of a core among the junk"
     log = d.text().splitlines()
-    assert len(log) < 150, f"{len(log)} log lines:\n" + "\n".join(log[-20:])
+    assert len(log) < 40, f"{len(log)} log lines:\n" + "\n".join(log[-20:])
     assert any(f"files of {USERS[0]} (uid {mallory[0]})" in ln for ln in log), log[-20:]
     print(f"learnd among 100 unreadable files and 25,000 junk names: {cpu:.1%} of a core, "
           f"{n} windows for root's 10 s process, {len(log)} log lines")

@@ -75,7 +75,6 @@ class Tally:
     ignored: int = 0
     told: int = 0           # of the ignored, logged one by one
     waiting: int = 0
-    examined: int = 0
 
 
 def user_name(uid: int) -> str:
@@ -204,7 +203,6 @@ class Directory:
                 out.append(Candidate(n, os.path.join(self.path, n), int(m.group(1)), int(m.group(2)),
                                      uid, self.names[n]))
                 took += 1
-            self.tally[uid].examined += took
             if q:
                 self.tally[uid].waiting = max(self.tally[uid].waiting, len(q))
             else:

@@ -336,6 +336,17 @@ def test_ring_dump_of_a_pid_reads_the_live_processes_own_file(shm):
         r = run_cli("ring", "dump", "--dir", shm, w.pid, "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["start_time"] == st
+        # A live process with no file of its own: a spoof named after it is
+        # refused, never read in its place.
+        other = subprocess.Popen(["sleep", "30"])
+        try:
+            fake = shm / f"{other.pid}-{proc_start_time(other.pid) + 7}"
+            fake.write_bytes(data)
+            r = run_cli("ring", "dump", "--dir", shm, other.pid, "--json")
+            assert r.returncode != 0 and "no telemetry file for the running process" in r.stderr, r
+        finally:
+            other.kill()
+            other.wait()
     finally:
         finish(w)
 

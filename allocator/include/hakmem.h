@@ -44,8 +44,10 @@ typedef struct hk_stats_s {
   hk_class_stats_t cls[HK_NUM_CLASSES];
 } hk_stats_t;
 
-/* Fills *out with a snapshot of all counters (other threads' most recent
- * fast-path counts may lag by a few operations). Returns 0, or EINVAL. */
+/* Fills *out with a snapshot of all counters. The calling thread's counts
+ * are exact; another thread's are as it last published them, on its last
+ * slow path or check-in (at most 32768 allocations of a class ago, and
+ * exact once it has ended). Returns 0, or EINVAL. */
 HK_API int hk_stats_get(hk_stats_t* out);
 
 /* Writes the per-class table (as HAKMEM_STATS=1 does at exit) to fd. */
@@ -86,9 +88,10 @@ typedef struct hk_policy_bounds_s {
 HK_API void hk_policy_get(hk_policy_t* out);
 /* Bounds for class cls (cap_max and warm_max depend on the block size). */
 HK_API void hk_policy_bounds(unsigned cls, hk_policy_bounds_t* out);
-/* Validates and installs p with a new version; threads pick it up on their
- * next slow path. Returns the new version, or 0 (and counts a rejection)
- * if any value is out of bounds. */
+/* Validates and installs p with a new version; each thread takes it up on
+ * its next slow path or check-in (within 32768 allocations of a class).
+ * Returns the new version, or 0 (and counts a rejection) if any value is
+ * out of bounds. */
 HK_API uint64_t hk_policy_set(const hk_policy_t* p);
 /* The version of the policy in force (starts at 1). */
 HK_API uint64_t hk_policy_version(void);

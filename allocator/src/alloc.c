@@ -15,20 +15,21 @@
 #include "prim.h"
 
 /* ---- fast paths ----------------------------------------------------------------
- * malloc of a small size runs 18 instructions (callgrind) with one test: the
- * class lookup, the TLS bin, load head, test, load next, store head,
- * count-1, allocs+1. free runs 33: map byte, page class, block-start test
- * (a multiply), capacity and adjacent-double-free tests, push. Class 0
- * (huge sizes, pages without a slab) has an empty bin with capacity 0, so
- * those cases reach the slow paths through the same tests.
+ * malloc of a small size runs 19 instructions (callgrind) with two tests:
+ * the class lookup, the TLS bin, load head, test, count down (sets the
+ * flags), test, load next, store head, count-1. free runs 33: map byte,
+ * page class, block-start test (a multiply), capacity and
+ * adjacent-double-free tests, push. Class 0 (huge sizes, pages without a
+ * slab) has an empty bin with capacity 0, so those cases reach the slow
+ * paths through the same tests.
  */
-/* A block from this thread's bin, or NULL when it is empty. */
+/* A block from this thread's bin, or NULL when the bin is empty or its
+ * check-in is due (a countdown that reaches below zero counts nothing). */
 HK_INLINE void* bin_pop(hk_bin_t* bin) {
   void* p = bin->head;
-  if (HK_UNLIKELY(p == NULL)) return NULL;
+  if (HK_UNLIKELY(p == NULL || --bin->left < 0)) return NULL;
   bin->head = *(void**)p;
   bin->count--;
-  bin->allocs++;
   HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);
   return p;
 }
@@ -80,6 +81,43 @@ static hk_tcache_t* tcache_slow(void) {
   return tc;
 }
 
+/* ---- check-in -------------------------------------------------------------------
+ * A thread whose cache serves every call would never reach a slow path: it
+ * would write no telemetry, take up no policy, drain nothing and miss
+ * malloc_trim. So each bin counts its allocations down (the decrement that
+ * used to count them up, plus one branch) and, when the count runs out,
+ * the next allocation of that class takes the slow path once: the thread
+ * takes up the policy in force and any malloc_trim (tcache_slow), publishes
+ * the bin's counters, runs the drain/decay checks and the telemetry tick
+ * (maybe_gc), and draws the next countdown.
+ *
+ * The draw is in bytes, as tcmalloc's sampler: uniform in [B/2, 3B/2) for
+ * a mean of B = CHECKIN_BYTES, turned into blocks of the class and kept in
+ * [CHECKIN_MIN_BLOCKS, CHECKIN_MAX_BLOCKS]. Random, so a periodic program
+ * cannot fall into step with it; bounded above, so a thread that allocates
+ * at all checks in within CHECKIN_MAX_BLOCKS allocations of one class
+ * (well under a millisecond of back-to-back small allocations); bounded below, so
+ * large classes do not pay a check-in every call. Allocations counted stay
+ * exact: see hk_bin_t.mark and _hk_bin_allocs. */
+#define CHECKIN_BYTES      (1u << 20)
+#define CHECKIN_MIN_BLOCKS 32u
+#define CHECKIN_MAX_BLOCKS 32768u
+
+static void checkin_arm(hk_tcache_t* tc, hk_bin_t* bin, unsigned cls) {
+  uint64_t x = tc->rng;   /* xorshift64 (Marsaglia 2003) */
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  tc->rng = x;
+  uint32_t bytes = CHECKIN_BYTES / 2 + (uint32_t)((x >> 32) & (CHECKIN_BYTES - 1));
+  uint32_t blocks = bytes / _hk_class[cls].size;
+  if (blocks < CHECKIN_MIN_BLOCKS) blocks = CHECKIN_MIN_BLOCKS;
+  if (blocks > CHECKIN_MAX_BLOCKS) blocks = CHECKIN_MAX_BLOCKS;
+  uint64_t done = _hk_bin_allocs(bin);
+  bin->left = (int32_t)blocks;
+  bin->mark = done + blocks;
+}
+
 /* Idle classes give their cached blocks back every drain interval, and idle
  * warm pools shrink; telemetry records and policy snapshots are looked at.
  * Checked on the slow path only, with the cheapest clock. */
@@ -94,11 +132,12 @@ static void maybe_gc(hk_tcache_t* tc) {
   _hk_warm_decay(now, interval);
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_bin_t* bin = &tc->bin[cls];
-    if (bin->count && bin->allocs == tc->gc_allocs[cls]) {
+    uint64_t allocs = _hk_bin_allocs(bin);
+    if (bin->count && allocs == tc->gc_allocs[cls]) {
       _hk_drain(tc, cls, bin->count);
       bin->fill = 0;   /* back to a slow start */
     }
-    tc->gc_allocs[cls] = bin->allocs;
+    tc->gc_allocs[cls] = allocs;
   }
 }
 
@@ -117,10 +156,14 @@ HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
   if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || bin->cap == 0)) {
     p = _hk_alloc_direct(cls);
     if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());   /* check mode, capacity 0 */
-  } else if ((p = bin_pop(bin)) != NULL) {   /* refilled while applying a policy */
-    return p;
   } else {
-    p = _hk_refill(tc, cls);
+    if (bin->left <= 0) checkin_arm(tc, bin, cls);
+    if ((p = bin_pop(bin)) != NULL) {   /* the countdown ran out: check in */
+      _hk_publish(tc, cls);
+      maybe_gc(tc);
+      return p;
+    }
+    p = _hk_refill(tc, cls);   /* publishes */
     maybe_gc(tc);
   }
   if (HK_UNLIKELY(!p)) errno = ENOMEM;

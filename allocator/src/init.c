@@ -215,7 +215,7 @@ static void sweep_dead(void) {   /* registry lock held */
 void _hk_publish(hk_tcache_t* tc, unsigned cls) {
   hk_thread_rec_t* r = tc->rec;
   if (!r) return;
-  hk_store_relaxed(&r->allocs[cls], tc->bin[cls].allocs);
+  hk_store_relaxed(&r->allocs[cls], _hk_bin_allocs(&tc->bin[cls]));
   hk_store_relaxed(&r->cached[cls], tc->bin[cls].count);
 }
 
@@ -229,8 +229,9 @@ static void thread_exit(void* arg) {
   _hk_flush_thread(tc);
   _hk_registry_lock();
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-    hk_add_relaxed(&_hk_central[cls].c.allocs, tc->bin[cls].allocs);
-    tc->bin[cls].allocs = 0;
+    hk_add_relaxed(&_hk_central[cls].c.allocs, _hk_bin_allocs(&tc->bin[cls]));
+    tc->bin[cls].mark = 0;
+    tc->bin[cls].left = 0;
     tc->bin[cls].cap = 0;   /* from now on every call goes the direct way */
   }
   if (tc->rec) rec_unlink(tc->rec);
@@ -246,6 +247,8 @@ hk_tcache_t* _hk_tcache_setup(void) {
   if (tc->state != HK_TC_NEW) return tc;
   tc->tid = _hk_os_tid();
   tc->last_gc_ns = _hk_os_now_coarse_ns();
+  /* Check-in draws differ between threads and between runs. */
+  tc->rng = (tc->last_gc_ns ^ ((uint64_t)tc->tid * 0x9e3779b97f4a7c15ull)) | 1;
   _hk_registry_lock();
   if (rec_count >= 64 && rec_count >= 2 * rec_count_at_sweep) sweep_dead();
   hk_thread_rec_t* r = rec_alloc();

@@ -128,6 +128,12 @@ HK_INLINE unsigned _hk_class_of(size_t n) {
   return 9u + (b - 7u) * 4u + (unsigned)(m >> (b - 2)) - 4u;
 }
 
+/* ---- thread-cache bins ---------------------------------------------------------- */
+/* Blocks this bin has handed out, exact at any moment (alloc.c "check-in"). */
+HK_INLINE uint64_t _hk_bin_allocs(const hk_bin_t* bin) {
+  return bin->mark - (uint64_t)(bin->left > 0 ? bin->left : 0);
+}
+
 /* ---- lock ------------------------------------------------------------------- */
 void _hk_lock_slow(hk_lock_t* l);
 HK_INLINE void _hk_lock(hk_lock_t* l) {

@@ -239,7 +239,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   void* p = head;
   bin->head = *(void**)p;
   bin->count = got - 1;
-  bin->allocs++;
+  bin->left--;   /* counts this block (the caller armed a due countdown) */
   _hk_publish(tc, cls);
   return p;
 }

@@ -147,12 +147,17 @@ typedef struct hk_bin_s {
   void*    head;
   uint32_t count;
   uint32_t cap;
-  uint64_t allocs;        /* blocks handed out by this thread (monotonic) */
-  uint32_t batch;         /* blocks per drain, and most per refill */
-  uint32_t fill;          /* blocks the next refill takes: starts small and
+  int32_t  left;          /* allocations before this bin checks in (alloc.c
+                             "check-in"); 0 or below: due at the next one */
+  uint16_t batch;         /* blocks per drain, and most per refill (<= 1024) */
+  uint16_t fill;          /* blocks the next refill takes: starts small and
                              doubles up to batch, so a class used a few
                              times does not pull in a whole batch */
+  uint64_t mark;          /* allocations counted once `left` reaches 0, so
+                             blocks handed out = mark - max(left, 0) */
 } hk_bin_t;
+
+_Static_assert(sizeof(hk_bin_t) == 32, "a bin is 32 bytes, the stride free() shares with _hk_div");
 
 enum { HK_TC_NEW = 0, HK_TC_ACTIVE = 1, HK_TC_DEAD = 2 };
 
@@ -160,7 +165,7 @@ enum { HK_TC_NEW = 0, HK_TC_ACTIVE = 1, HK_TC_DEAD = 2 };
  * The owning thread publishes its bins' counters here on its slow paths;
  * stats read only these, never another thread's TLS. */
 typedef struct hk_thread_rec_s {
-  _Atomic uint64_t allocs[HK_NUM_CLASSES];  /* bin.allocs as last published */
+  _Atomic uint64_t allocs[HK_NUM_CLASSES];  /* blocks handed out, as last published */
   _Atomic uint32_t cached[HK_NUM_CLASSES];  /* bin.count as last published */
   uint32_t tid;                             /* kernel thread id */
   uint32_t _pad;
@@ -173,7 +178,8 @@ typedef struct hk_tcache_s {
   uint64_t  policy_version;     /* version of the policy its caps came from */
   uint64_t  trim_epoch;         /* malloc_trim calls seen (alloc.c) */
   uint64_t  last_gc_ns;         /* last idle-drain pass */
-  uint64_t  gc_allocs[HK_NUM_CLASSES]; /* bin.allocs at the last pass */
+  uint64_t  gc_allocs[HK_NUM_CLASSES]; /* blocks handed out at the last pass */
+  uint64_t  rng;                /* xorshift state for check-in draws */
   uint32_t  tid;
   int       state;              /* HK_TC_* */
   hk_thread_rec_t* rec;         /* this thread's published record */

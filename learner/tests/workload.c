@@ -11,6 +11,10 @@
  *                                   2000 allocations (for at least MS ms) and
  *                                   leaving with _exit; the JSON line carries
  *                                   the time the N forks took, in ms
+ *   workload hot SIZE PARK SECONDS  park PARK blocks of SIZE in the thread
+ *                                   cache (allocate, then free them), then
+ *                                   allocate and free one block in a loop:
+ *                                   every call is a cache hit
  *
  * The last line on stdout is JSON: {"mode":..., "ops":..., "seconds":...}.
  */
@@ -51,6 +55,24 @@ static uint64_t burst(size_t size, size_t n, double seconds) {
       ops += 2 * n;
     }
   }
+  free(v);
+  return ops;
+}
+
+static uint64_t hot(size_t size, size_t park, double seconds) {
+  void** v = calloc(park ? park : 1, sizeof *v);
+  for (size_t i = 0; i < park; i++) if (!(v[i] = malloc(size))) { perror("malloc"); exit(1); }
+  for (size_t i = 0; i < park; i++) free(v[i]);
+  uint64_t ops = 0;
+  double end = now() + seconds;
+  do {
+    for (int i = 0; i < 4096; i++) {
+      void* volatile q = malloc(size);
+      if (!q) { perror("malloc"); exit(1); }
+      free(q);
+    }
+    ops += 2 * 4096;
+  } while (now() < end);
   free(v);
   return ops;
 }
@@ -108,13 +130,16 @@ static uint64_t mixed(int threads, double seconds) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (argc < 2) { fprintf(stderr, "usage: workload burst|mixed|fork|forks ...\n"); return 2; }
+  if (argc < 2) { fprintf(stderr, "usage: workload burst|hot|mixed|fork|forks ...\n"); return 2; }
   const char* mode = argv[1];
   double t0 = now(), seconds;
   uint64_t ops;
   if (strcmp(mode, "burst") == 0 && argc == 5) {
     seconds = atof(argv[4]);
     ops = burst((size_t)atol(argv[2]), (size_t)atol(argv[3]), seconds);
+  } else if (strcmp(mode, "hot") == 0 && argc == 5) {
+    seconds = atof(argv[4]);
+    ops = hot((size_t)atol(argv[2]), (size_t)atol(argv[3]), seconds);
   } else if (strcmp(mode, "mixed") == 0 && argc == 4) {
     int threads = atoi(argv[2]);
     if (threads < 1 || threads > MAXT) { fprintf(stderr, "threads 1..%d\n", MAXT); return 2; }

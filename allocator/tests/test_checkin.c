@@ -1,0 +1,188 @@
+/* test_checkin.c — every thread checks in (alloc.c "check-in"): a thread
+ * whose cache serves every call still takes up a new policy, a malloc_trim
+ * and the drain interval, and its allocation counts stay exact.
+ *
+ * Each worker below warms a class, then allocates and frees one 64-byte
+ * block in a loop: after the first call every call is a cache hit, so only
+ * the countdown can bring it to a slow path. LOOP is more than the longest
+ * countdown (CHECKIN_MAX_BLOCKS + 1 = 32769 allocations of one class). */
+#define _GNU_SOURCE
+#include <malloc.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "hakmem.h"
+#include "harness.h"
+#include "testutil.h"
+
+#define LOOP 40000
+#define PARK 300
+
+static unsigned cls_of(size_t n) { return hk_size_class(n); }
+
+static uint64_t cached_blocks(unsigned cls) {
+  hk_stats_t st;
+  hk_stats_get(&st);
+  return st.cls[cls].cached_bytes / st.cls[cls].size;
+}
+
+static void hot_loop(size_t size, long n) {
+  for (long i = 0; i < n; i++) {
+    void* volatile p = malloc(size);
+    free(p);
+  }
+}
+
+/* A worker that parks PARK blocks of `park_size`, then waits for `go` to
+ * reach its step before the hot loop. */
+typedef struct {
+  size_t park_size;
+  atomic_int step;       /* 1: parked; 2: go; 3: loop done */
+  double idle_s;         /* extra sleep after go, before the loop */
+  double loop_s;         /* run the hot loop at least this long (0: LOOP calls) */
+} worker_t;
+
+static void wait_step(atomic_int* s, int want) {
+  while (atomic_load(s) < want) sched_yield();
+}
+
+static void* worker(void* arg) {
+  worker_t* w = arg;
+  void* v[PARK];
+  for (int i = 0; i < PARK; i++) v[i] = malloc(w->park_size);
+  for (int i = 0; i < PARK; i++) free(v[i]);
+  hot_loop(64, 10);           /* the 64-byte class has a block cached */
+  hk_stats_t st;
+  hk_stats_get(&st);          /* publishes this thread's cache counts */
+  atomic_store(&w->step, 1);
+  wait_step(&w->step, 2);
+  if (w->idle_s > 0) {
+    struct timespec ts = {0, (long)(w->idle_s * 1e9)};
+    nanosleep(&ts, NULL);
+  }
+  if (w->loop_s > 0) {
+    double end = now_s() + w->loop_s;
+    while (now_s() < end) hot_loop(64, 1000);
+  } else {
+    hot_loop(64, LOOP);
+  }
+  atomic_store(&w->step, 3);
+  wait_step(&w->step, 4);     /* stay alive: its records stay in the registry */
+  return NULL;
+}
+
+static void run_worker(worker_t* w, pthread_t* t) {
+  atomic_store(&w->step, 0);
+  if (pthread_create(t, NULL, worker, w) != 0) { harness_say("pthread_create failed\n"); _exit(1); }
+  wait_step(&w->step, 1);
+}
+
+TEST(a_lowered_capacity_reaches_a_thread_that_only_hits) {
+  hk_policy_t saved, p;
+  hk_policy_get(&saved);
+  unsigned c = cls_of(64);
+  worker_t w = {.park_size = 64};
+  pthread_t t;
+  run_worker(&w, &t);
+  REQUIRE(cached_blocks(c) >= PARK - 1);
+  p = saved;
+  p.tcache_cap[c] = 4;
+  p.tcache_batch[c] = 2;
+  REQUIRE(hk_policy_set(&p) != 0);
+  atomic_store(&w.step, 2);
+  wait_step(&w.step, 3);
+  /* Before the countdown the worker never left its fast path: its cache
+   * kept the PARK blocks under a capacity of 4. */
+  CHECK(cached_blocks(c) <= 4);
+  atomic_store(&w.step, 4);
+  pthread_join(t, NULL);
+  hk_policy_set(&saved);
+}
+
+TEST(malloc_trim_reaches_an_idle_thread_when_it_allocates_again) {
+  unsigned c = cls_of(128);
+  worker_t w = {.park_size = 128};
+  pthread_t t;
+  run_worker(&w, &t);
+  CHECK(cached_blocks(c) >= PARK - 1);
+  malloc_trim(0);
+  /* The documented exception: a thread that does not allocate keeps its
+   * cache until it does (no thread touches another's cache). */
+  CHECK(cached_blocks(c) >= PARK - 1);
+  atomic_store(&w.step, 2);   /* it allocates 64-byte blocks only */
+  wait_step(&w.step, 3);
+  CHECK_EQ(cached_blocks(c), 0);
+  atomic_store(&w.step, 4);
+  pthread_join(t, NULL);
+}
+
+TEST(the_drain_interval_reaches_a_thread_that_slept) {
+  hk_policy_t saved, p;
+  hk_policy_get(&saved);
+  p = saved;
+  p.drain_ms = 20;
+  REQUIRE(hk_policy_set(&p) != 0);
+  unsigned c = cls_of(192);
+  /* Sleeps three intervals, then allocates for ten more: its 192-byte
+   * blocks were not used in a whole interval, so they go back. (Sizes whose default capacity holds PARK blocks.) */
+  worker_t w = {.park_size = 192, .idle_s = 0.06, .loop_s = 0.2};
+  pthread_t t;
+  run_worker(&w, &t);
+  CHECK(cached_blocks(c) >= PARK - 1);
+  atomic_store(&w.step, 2);
+  wait_step(&w.step, 3);
+  CHECK_EQ(cached_blocks(c), 0);
+  atomic_store(&w.step, 4);
+  pthread_join(t, NULL);
+  hk_policy_set(&saved);
+}
+
+/* The countdown replaced the allocation counter: counts must stay exact
+ * through check-ins, through the aligned path (which asks a due bin twice)
+ * and after the thread ends. */
+TEST(allocation_counts_stay_exact) {
+  unsigned c = cls_of(64);
+  hk_stats_t a, b;
+  hk_stats_get(&a);
+  hot_loop(64, 3 * LOOP + 7);
+  hk_stats_get(&b);
+  CHECK_EQ(b.cls[c].allocs - a.cls[c].allocs, 3 * LOOP + 7);
+  CHECK_EQ(b.cls[c].frees - a.cls[c].frees, 3 * LOOP + 7);
+  CHECK_EQ(b.cls[c].hits, b.cls[c].allocs - b.cls[c].refills);
+
+  hk_stats_get(&a);
+  for (long i = 0; i < 2 * LOOP + 3; i++) {
+    void* p = NULL;
+    REQUIRE(posix_memalign(&p, 64, 64) == 0);
+    REQUIRE(((uintptr_t)p & 63) == 0);
+    free(p);
+  }
+  hk_stats_get(&b);
+  CHECK_EQ(b.cls[c].allocs - a.cls[c].allocs, 2 * LOOP + 3);
+
+  hk_stats_get(&a);
+  worker_t w = {.park_size = 64};
+  pthread_t t;
+  run_worker(&w, &t);
+  atomic_store(&w.step, 2);
+  wait_step(&w.step, 3);
+  atomic_store(&w.step, 4);
+  pthread_join(t, NULL);
+  hk_stats_get(&b);
+  /* PARK parked, 10 warming, LOOP in the loop; all freed. */
+  CHECK_EQ(b.cls[c].allocs - a.cls[c].allocs, PARK + 10 + LOOP);
+  CHECK_EQ(b.cls[c].frees - a.cls[c].frees, PARK + 10 + LOOP);
+}
+
+int main(void) {
+  hang_alarm(under_valgrind() ? 600 : 60, "test_checkin: hung\n");
+  RUN(a_lowered_capacity_reaches_a_thread_that_only_hits);
+  RUN(malloc_trim_reaches_an_idle_thread_when_it_allocates_again);
+  RUN(the_drain_interval_reaches_a_thread_that_slept);
+  RUN(allocation_counts_stay_exact);
+  return harness_done();
+}

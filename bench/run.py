@@ -206,7 +206,7 @@ def tel_reader_argv(template: str) -> list[str] | None:
     return argv
 
 
-def setup_allocators(names: list[str], tel_reader: str) -> tuple[list[Allocator], dict[str, str]]:
+def setup_allocators(names: list[str], tel_reader: str, base_lib: str | None = None) -> tuple[list[Allocator], dict[str, str]]:
     """The allocators that can run, and a reason for each one skipped."""
     allocs: list[Allocator] = []
     skipped: dict[str, str] = {}
@@ -231,6 +231,9 @@ def setup_allocators(names: list[str], tel_reader: str) -> tuple[list[Allocator]
                 skipped[n] = f"{soname} not found (install {pkg}{'' if os.geteuid() == 0 else ' as root'})"
                 continue
             allocs.append(Allocator(n, n, path, info={"lib": path, "soname": soname, "package": package_of(path), "sha256": sha256(Path(path))}))
+    if base_lib:
+        info = {"lib": base_lib, "sha256": sha256(Path(base_lib))}
+        allocs.append(Allocator("hakmem-base", "hakmem", base_lib, False, info))
     for n, why in skipped.items():
         log(f"skipping {n}: {why}")
     return allocs, skipped
@@ -555,6 +558,15 @@ def markdown(result: dict) -> str:
                      f"{ss['iters'][0] // 10**6}M→{ss['iters'][1] // 10**6}M | {v:.3g} ({h['calls'][0]}→{h['calls'][1]} calls; peers: {others}) | "
                      f"{'pass' if v <= TARGET_STEADY_PER_1E8 else 'FAIL'} |")
 
+    if "hakmem-base" in names:
+        base = result["allocators"]["hakmem-base"]["lib"]
+        lines += ["", f"| A/B: this build against `{base}` | hakmem | hakmem-base | hakmem ÷ base |", "|---|---:|---:|---:|"]
+        for name, c in result["configs"].items():
+            new, old = (c["results"].get(a) for a in ("hakmem", "hakmem-base"))
+            ratio = (new["median_ops_per_sec"] / old["median_ops_per_sec"]
+                     if new and old and new.get("median_ops_per_sec") and old.get("median_ops_per_sec") else None)
+            lines.append(f"| {name} | {cell(new)} | {cell(old)} | {fmt_ratio(ratio)} |")
+
     if "hakmem-tel" in names:
         lines += ["", "| telemetry on (hakmem-tel) | hakmem | hakmem-tel | tel ÷ off |", "|---|---:|---:|---:|"]
         for name in TEL_CONFIGS:
@@ -571,9 +583,8 @@ def markdown(result: dict) -> str:
         if unseen:
             where = ", ".join(f"{n} {unseen.count(n)}" for n in dict.fromkeys(unseen))
             lines += ["", f"hakmem-tel: no ring file appeared in the telemetry directory in {len(unseen)} of "
-                      f"{len(tel_runs)} runs ({where}): hakmem makes the file at a slow path one telemetry epoch "
-                      "(100 ms) after start, so runs shorter than that (--quick), and programs whose thread caches "
-                      "serve every call after that (no slow path, so no file), have none."]
+                      f"{len(tel_runs)} runs ({where}): hakmem makes the file at its first check-in one telemetry "
+                      "epoch (100 ms) after start, so runs shorter than that (--quick) have none."]
     return "\n".join(lines) + "\n"
 
 
@@ -653,6 +664,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         + ". Build first with `make bench-build` (or just `make bench`).")
     ap.add_argument("--quick", action="store_true", help="small sizes and 3 runs: a check that everything runs")
     ap.add_argument("--runs", type=int, help="runs per (config, allocator) (default 5, --quick 3)")
+    ap.add_argument("--base", metavar="LIB", help="another libhakmem.so (say, built from the commit before a change) "
+                    "run beside the others as hakmem-base, interleaved, with an A/B table")
     ap.add_argument("--only", metavar="PATTERN", help="config names, comma-separated, or regular expressions")
     ap.add_argument("--allocators", metavar="LIST", help="comma-separated (default: all available)")
     ap.add_argument("--no-strace", action="store_true", help="skip the OS call counts")
@@ -681,7 +694,9 @@ def main(argv: list[str]) -> int:
     check_build(configs, any(n.startswith("hakmem") for n in names))
     if a.update_readme and not a.update_readme.is_file():
         raise SetupError(f"--update-readme: {a.update_readme} not found")
-    allocs, skipped = setup_allocators(names, a.tel_reader)
+    if a.base and not os.access(a.base, os.R_OK):
+        raise SetupError(f"--base: {a.base} cannot be read")
+    allocs, skipped = setup_allocators(names, a.tel_reader, str(Path(a.base).resolve()) if a.base else None)
     if not allocs:
         raise SetupError("no allocator left to run")
     strace = None

@@ -175,8 +175,8 @@ def cmd_set_policy(args):
     if applied is False:
         if status["seen_version"] >= version:
             return _fail(f"snapshot {version} rejected by the allocator: {result['reject_reason_text']}")
-        return _fail(f"snapshot {version} not examined within {args.wait:g} s (the process makes no "
-                     f"allocator slow-path calls, or is stopped)")
+        return _fail(f"snapshot {version} not examined within {args.wait:g} s (the process has not "
+                     f"allocated since, or is stopped)")
     return 0
 
 

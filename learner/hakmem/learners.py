@@ -384,7 +384,8 @@ class GPLearner(_Reports):
         if w.knobs is None:
             # A transition: evidence for neither policy. A candidate that stays
             # unconfirmed was never applied: the allocator looks at a new
-            # policy on its slow path only, and this program runs none.
+            # policy when a thread allocates (a slow path or a check-in), and
+            # this program's threads stopped allocating.
             t = self._trial
             if t is not None and t.n == 0:
                 self._stall += 1

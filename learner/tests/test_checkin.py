@@ -6,11 +6,12 @@ Before the countdown, `workload hot` (one 64-byte block allocated and freed
 in a loop, every call a cache hit) never reached a slow path after its
 first refill: no telemetry file was ever made, and a snapshot written to it
 would never have been looked at."""
+import json
 import time
 
 import numpy as np
 
-from conftest import ring_path, start, wait_for
+from conftest import ring_path, run_cli, start, wait_for
 from hakmem.ring import Ring
 
 CLS64 = 4          # the class serving 64-byte blocks
@@ -62,6 +63,12 @@ def test_a_thread_that_only_hits_takes_up_a_policy_within_two_epochs(shm):
         wait_for(lambda: ring.latest()["cls"]["cached_bytes"][CLS64] <= 4 * 64, 2 * EPOCH_MS / 1000 + 0.5,
                  "the cache drained to the new capacity")
         assert ring.latest()["cls"]["drain_blocks"][CLS64] >= PARK - 1 - 4
+        # The same through the CLI, which waits two epochs at most.
+        r = run_cli("ring", "set-policy", "--dir", shm, p.pid, "tcache_cap@64=8", "tcache_batch@64=4",
+                    "--wait", 2 * EPOCH_MS / 1000, "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["applied"] is True and out["applied_version"] == out["version"] > version
     finally:
         p.kill()
         p.wait()

@@ -16,11 +16,13 @@ evaluations. `sqlite3 learn.db` is a supported way to look (schemas/sql/).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pathlib
 import re
 import sqlite3
+import tempfile
 import time
 
 import numpy as np
@@ -64,7 +66,24 @@ def _why(e: sqlite3.Error, path) -> str:
         return f"{path}: database is read-only"
     if "malformed" in msg or "not a database" in msg:
         return f"{path}: database is damaged ({msg})"
+    if "disk I/O error" in msg and _read_only_dir(path):
+        # What SQLite says when the file system turns read-only under it
+        # (ext4 after an error, errors=remount-ro).
+        return f"{path}: database is read-only (its file system is read-only)"
     return f"{path}: {msg}"
+
+
+def _read_only_dir(path) -> bool:
+    """Whether a file can no longer be made beside the database because its
+    file system is read-only. (Not by opening the database itself: closing a
+    descriptor of it would drop SQLite's POSIX locks.)"""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".hakmem-probe-", dir=os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        return e.errno == errno.EROFS
+    os.close(fd)
+    os.unlink(name)
+    return False
 
 
 class Store:

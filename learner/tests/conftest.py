@@ -1,5 +1,14 @@
 """Shared fixtures: the built library and workload, a telemetry directory,
-and a way to start a preloaded workload and find its telemetry file."""
+and a way to start a preloaded workload and find its telemetry file.
+
+Time. Every wall-clock limit in these tests is multiplied by one factor,
+HAKMEM_TEST_TIME_FACTOR (a positive number, default 1; e.g. 3 on a slow or
+loaded machine, or under valgrind): `scaled(s)` gives s times the factor, and
+`wait_for` scales its own timeout. That covers both kinds of limit: a bound
+that is the thing under test ("applied within 0.2 s" is `took <=
+scaled(0.2)`) and a guard against hanging. Readiness is waited for by
+polling (`wait_for`), never by a sleep of a guessed length; a sleep left in
+a test is a stimulus or a measuring interval, and says so."""
 import os
 import pathlib
 import pwd
@@ -18,6 +27,25 @@ if not BUILD.is_absolute():
 LIB = BUILD / "libhakmem.so"
 WORKLOAD = BUILD / "learner" / "workload"
 HAKMEM = [sys.executable, "-m", "hakmem"]
+
+
+def _time_factor():
+    raw = os.environ.get("HAKMEM_TEST_TIME_FACTOR", "").strip() or "1"
+    try:
+        f = float(raw)
+    except ValueError:
+        f = float("nan")
+    if not (0 < f < float("inf")):
+        raise pytest.UsageError(f"HAKMEM_TEST_TIME_FACTOR={raw!r}: expected a positive number (default 1)")
+    return f
+
+
+TIME_FACTOR = _time_factor()
+
+
+def scaled(seconds):
+    """A wall-clock limit of `seconds` on a reference machine, on this one."""
+    return seconds * TIME_FACTOR
 
 
 def pytest_sessionstart(session):
@@ -142,13 +170,20 @@ def proc_start_time(pid):
 
 
 def wait_for(pred, timeout=5.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+    """pred()'s first true value, polled every 5 ms for timeout seconds
+    (scaled by HAKMEM_TEST_TIME_FACTOR); AssertionError naming `what` after
+    (a string, or a function giving one, called then: a log's end at timeout)."""
+    limit = scaled(timeout)
+    end = time.monotonic() + limit
+    while True:
         v = pred()
         if v:
             return v
+        if time.monotonic() >= end:
+            break
         time.sleep(0.005)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    factor = f" ({timeout} s x HAKMEM_TEST_TIME_FACTOR {TIME_FACTOR:g})" if TIME_FACTOR != 1 else ""
+    raise AssertionError(f"timed out after {limit:g} s{factor} waiting for {what() if callable(what) else what}")
 
 
 def ring_path(shm_dir, pid, timeout=5.0):
@@ -164,4 +199,4 @@ def ring_path(shm_dir, pid, timeout=5.0):
 
 def run_cli(*args, **kw):
     return subprocess.run([*HAKMEM, *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60, **kw)
+                          cwd=ROOT, timeout=scaled(60), **kw)

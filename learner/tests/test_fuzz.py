@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ring_path, start, wait_for
+from conftest import ring_path, scaled, start, wait_for
 from hakmem import layout as L
 from hakmem.ring import Ring
 from hakmem.ring import encode_slot as encode
@@ -69,7 +69,7 @@ for i in range(0, n, 8):          # slowly, so the kill lands mid-slot
 
 def test_hostile_snapshots_are_rejected_whole(shm):
     rng = random.Random(1234)
-    p = start(["mixed", 2, 8.0], shm)
+    p = start(["mixed", 2, scaled(8.0)], shm)
     ring = Ring(str(ring_path(shm, p.pid)), writable=True)
     wait_for(lambda: ring.ring_head() >= 2, 5, "records")
 
@@ -79,7 +79,7 @@ def test_hostile_snapshots_are_rejected_whole(shm):
     good["tcache_batch"][CLS64] = 100
     good["drain_ms"] = 500
     v = ring.write_policy(good)
-    applied, st = ring.wait_applied(v, 2.0)
+    applied, st = ring.wait_applied(v, scaled(2.0))
     assert applied, st
     in_force = ring.policy_in_force()
     kept = {k: in_force[k] for k in ("drain_ms", *L.KNOBS_PER_CLASS)}
@@ -102,7 +102,7 @@ def test_hostile_snapshots_are_rejected_whole(shm):
     rejected = ring.status()["rejected"]
     version = v
     attacks = {"random": 0, "range": 0, "checksum": 0, "slot_version": 0, "random_word": 0}
-    deadline = time.monotonic() + 4.0
+    deadline = time.monotonic() + scaled(4.0)
     while time.monotonic() < deadline:
         kind = rng.choice(list(attacks))
         attacks[kind] += 1
@@ -141,7 +141,11 @@ def test_hostile_snapshots_are_rejected_whole(shm):
         assert w.stdout.readline().strip() == "half"
         w.send_signal(signal.SIGKILL)
         w.wait()
-        time.sleep(0.15)
+        # The allocator looks at the version word on its slow paths: two more
+        # records (each from a slow path, an epoch apart) and it has looked.
+        head = ring.ring_head()
+        wait_for(lambda: ring.ring_head() >= head + 2 or p.poll() is not None, 3.0, "two more records")
+        assert p.poll() is None, p.stderr.read()
         s = ring.status()
         assert s["seen_version"] == seen_before and s["applied_version"] == applied_version
         now = ring.policy_in_force()
@@ -156,7 +160,7 @@ def test_hostile_snapshots_are_rejected_whole(shm):
     wait_for(lambda: ring.status()["applied_version"] == version, 3.0, "a good snapshot after the attacks")
     assert ring.policy_in_force()["tcache_cap"][CLS64] == 900
 
-    out, err = p.communicate(timeout=30)
+    out, err = p.communicate(timeout=scaled(30))
     assert p.returncode == 0, err
     assert "hakmem" not in err, err
     final = ring.latest()

@@ -1,20 +1,22 @@
 """hakmem-learnd end to end: a real daemon process, real preloaded workloads,
 a real SQLite file and real sockets. What it must survive: SIGKILL at any
 moment, crowds of short-lived processes, hostile files in its directory, a
-locked database, and a database it cannot use at all."""
+locked database, a file system under the database that fills up or turns
+read-only while it runs, and a database it cannot use at all."""
 import json
 import os
 import pathlib
 import random
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import ROOT, WORKLOAD, clean_env, proc_start_time, ring_path, start, wait_for
+from conftest import ROOT, WORKLOAD, clean_env, proc_start_time, ring_path, scaled, start, wait_for
 
 sys.path.insert(0, str(ROOT / "learner"))
 from hakmem.lease import Lease  # noqa: E402
@@ -49,17 +51,17 @@ class Learnd:
 
     def stop(self, timeout=20):
         self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
+        rc = self.proc.wait(scaled(timeout))
         self.log.close()
         return rc
 
     def kill(self):
         self.proc.kill()
-        self.proc.wait(10)
+        self.proc.wait(scaled(10))
         self.log.close()
 
     def wait_log(self, needle, timeout=10):
-        wait_for(lambda: needle in self.text(), timeout, f"{needle!r} in learnd's log:\n{self.text()[-3000:]}")
+        wait_for(lambda: needle in self.text(), timeout, lambda: f"{needle!r} in learnd's log:\n{self.text()[-3000:]}")
 
 
 def telemetry_files(shm):
@@ -76,7 +78,7 @@ def db_rows(db, sql, *args):
 
 
 def finish(w, timeout=60):
-    out, err = w.communicate(timeout=timeout)
+    out, err = w.communicate(timeout=scaled(timeout))
     assert w.returncode == 0, f"workload failed ({w.returncode}): {err}"
     assert err == "", err
     return json.loads(out.strip().splitlines()[-1])
@@ -85,7 +87,7 @@ def finish(w, timeout=60):
 def test_discovers_samples_stores_and_cleans_up(tmp_path):
     d = Learnd(tmp_path, "--learner", "static")
     try:
-        w = start(["burst", 64, 3000, 3], d.shm)
+        w = start(["burst", 64, 3000, scaled(3)], d.shm)
         ring_path(d.shm, w.pid)
         r = finish(w)
         assert r["ops"] > 0
@@ -103,7 +105,11 @@ def test_discovers_samples_stores_and_cleans_up(tmp_path):
     assert db_rows(d.db, "SELECT origin FROM policies") == [("default",)]
     assert telemetry_files(d.shm) == []
     assert db_rows(d.db, "PRAGMA integrity_check") == [("ok",)]
-    assert oct(d.shm.stat().st_mode & 0o7777) in ("0o1777", "0o700", "0o1700")
+    # The directory learnd made: root's is every user's (1777: world-writable,
+    # sticky); anyone else's is private to them (mkdir 0700, owner bits forced on).
+    st = d.shm.stat()
+    assert st.st_uid == os.geteuid()
+    assert oct(stat.S_IMODE(st.st_mode)) == oct(0o1777 if os.geteuid() == 0 else 0o700)
 
 
 def test_learns_a_deeper_cache_for_a_bursty_program_and_remembers_it(tmp_path):
@@ -112,7 +118,7 @@ def test_learns_a_deeper_cache_for_a_bursty_program_and_remembers_it(tmp_path):
     capacity for that class within 25 s, cut refills, and store it as best."""
     d = Learnd(tmp_path, "--learner", "gp")
     try:
-        w = start(["burst", 64, 4000, 25], d.shm)
+        w = start(["burst", 64, 4000, scaled(25)], d.shm)
         path = ring_path(d.shm, w.pid)
         default_cap = Ring(path).policy_in_force()["tcache_cap"][CLS64]
 
@@ -140,7 +146,7 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
     shm0 = tmp_path / "shm0"
     shm0.mkdir()
     with Lease(shm0, "test"):
-        w = start(["burst", 64, 3000, 1], shm0)
+        w = start(["burst", 64, 3000, scaled(1)], shm0)
         with Ring(ring_path(shm0, w.pid)) as r:
             header, knobs = r.header(), r.policy_in_force()
         finish(w)
@@ -156,14 +162,14 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
     s.close()
     d = Learnd(tmp_path, "--learner", "gp")
     try:
-        w = start(["burst", 64, 3000, 4], d.shm)
+        w = start(["burst", 64, 3000, scaled(4)], d.shm)
         path = ring_path(d.shm, w.pid, timeout=5)
         t0 = time.monotonic()
         with Ring(path) as r:
             wait_for(lambda: r.status()["applied_version"] > 0 and
                      r.policy_in_force()["tcache_cap"][CLS64] == 3333, 2, "the stored best applied")
         took = time.monotonic() - t0
-        assert took < 1.0, f"stored best applied {took:.2f} s after the telemetry file appeared"
+        assert took < scaled(1.0), f"stored best applied {took:.2f} s after the telemetry file appeared"
         finish(w)
         d.wait_log("warm_start")
     finally:
@@ -173,12 +179,13 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
 def test_sigkill_at_random_moments_leaves_programs_and_database_intact(tmp_path):
     rnd = random.Random(5)
     (tmp_path / "shm").mkdir()
-    works = [start(["mixed", 2, 16], tmp_path / "shm"), start(["burst", 64, 3000, 16], tmp_path / "shm")]
-    end = time.monotonic() + 9
+    works = [start(["mixed", 2, scaled(16)], tmp_path / "shm"),
+             start(["burst", 64, 3000, scaled(16)], tmp_path / "shm")]
+    end = time.monotonic() + scaled(9)
     kills = 0
     while time.monotonic() < end:
         d = Learnd(tmp_path, "--learner", "gp")
-        time.sleep(rnd.uniform(0.3, 2.0))
+        time.sleep(scaled(rnd.uniform(0.3, 2.0)))     # the stimulus: a kill at a random moment
         d.kill()
         kills += 1
         assert db_rows(d.db, "PRAGMA integrity_check") == [("ok",)]
@@ -203,25 +210,44 @@ def open_fds(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def settled(read, quiet, timeout=10, what="a value"):
+    """read()'s value once it has stayed the same for `quiet` seconds."""
+    seen = [read(), time.monotonic()]
+
+    def still():
+        v, now = read(), time.monotonic()
+        if v != seen[0]:
+            seen[:] = [v, now]
+            return None
+        return (v,) if now - seen[1] >= quiet else None
+    return wait_for(still, timeout, f"{what} to settle")[0]
+
+
+def unix_connections(path):
+    """Connected sockets bound to path (/proc/net/unix names the accepted side)."""
+    with open("/proc/net/unix") as f:
+        return sum(1 for ln in f if ln.split()[5:6] == ["03"] and ln.rstrip().endswith(" " + str(path)))
+
+
 def test_fifty_short_lived_processes_leave_nothing_behind(tmp_path):
     d = Learnd(tmp_path, "--learner", "gp")
     try:
-        time.sleep(0.5)
-        fds0 = open_fds(d.proc.pid)
+        # learnd's descriptors once it has settled (its first turns open a few).
+        fds0 = settled(lambda: open_fds(d.proc.pid), 2 * PERIOD, what="learnd's descriptor count")
         killed = 0
         for batch in range(10):
-            ws = [start(["burst", 64, 2000, 0.4], d.shm, HAKMEM_TELEMETRY_MS=20) for _ in range(5)]
+            ws = [start(["burst", 64, 2000, scaled(0.4)], d.shm, HAKMEM_TELEMETRY_MS=20) for _ in range(5)]
             if batch % 2:
                 # Killed before their exit handlers run: they leave stale files.
                 ring_path(d.shm, ws[0].pid)
                 ws[0].kill()
                 killed += 1
             for w in ws:
-                w.communicate(timeout=30)
+                w.communicate(timeout=scaled(30))
         wait_for(lambda: not telemetry_files(d.shm), 5, "no telemetry file left")
         d.wait_log("process_exited", 5)
-        time.sleep(2 * PERIOD)
-        assert open_fds(d.proc.pid) <= fds0 + 1, (fds0, os.listdir(f"/proc/{d.proc.pid}/fd"))
+        wait_for(lambda: open_fds(d.proc.pid) <= fds0 + 1, 5,
+                 f"learnd's descriptors back to {fds0} (+1): {os.listdir(f'/proc/{d.proc.pid}/fd')}")
         maps = pathlib.Path(f"/proc/{d.proc.pid}/maps").read_text()
         assert str(d.shm) not in maps, "a telemetry file is still mapped"
     finally:
@@ -241,9 +267,9 @@ def test_hostile_files_are_ignored_with_a_log_line(tmp_path):
         junk.write_bytes(os.urandom(8192))
         os.utime(junk, (time.time() - 10, time.time() - 10))
         # A real ring whose owner is not the process's owner.
-        w = start(["burst", 64, 2000, 4], d.shm)
+        w = start(["burst", 64, 2000, scaled(4)], d.shm)
         path = ring_path(d.shm, w.pid)
-        w2 = start(["burst", 64, 2000, 4], d.shm)
+        w2 = start(["burst", 64, 2000, scaled(4)], d.shm)
         path2 = ring_path(d.shm, w2.pid)
         os.chown(path2, 65534, 65534)
         os.symlink(path, d.shm / f"{sleeper.pid}-1")
@@ -264,13 +290,13 @@ def test_hostile_files_are_ignored_with_a_log_line(tmp_path):
 def test_locked_database_loses_no_samples(tmp_path):
     d = Learnd(tmp_path, "--learner", "static")
     try:
-        w = start(["burst", 64, 3000, 7], d.shm)
+        w = start(["burst", 64, 3000, scaled(7)], d.shm)
         ring_path(d.shm, w.pid)
-        time.sleep(1.5)
+        wait_for(lambda: windows_of(d.db, w.pid) >= 2, 5, "two windows of the workload stored")
         con = sqlite3.connect(d.db, isolation_level=None)
         con.execute("BEGIN IMMEDIATE")
         d.wait_log("database is locked", 5)
-        time.sleep(2.5)
+        time.sleep(2.5)         # the stimulus: the lock held for five windows
         con.execute("ROLLBACK")
         con.close()
         d.wait_log("database writable again", 5)
@@ -284,11 +310,16 @@ def test_locked_database_loses_no_samples(tmp_path):
     assert len(ends) >= 10 and max(gaps) < 2.5 * PERIOD, (len(ends), gaps)
 
 
+def windows_of(db, pid):
+    return db_rows(db, "SELECT count(*) FROM windows w JOIN processes p ON p.id = w.process_id "
+                       "WHERE p.pid = ?", pid)[0][0]
+
+
 def test_unusable_database_is_a_one_line_error(tmp_path):
     bad = tmp_path / "damaged.db"
     bad.write_bytes(b"SQLite format 3\0" + os.urandom(4096))
     d = Learnd(tmp_path, "--learner", "static", db=bad, wait_ready=False)
-    assert d.proc.wait(30) == 1
+    assert d.proc.wait(scaled(30)) == 1
     lines = d.text().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hakmem-learnd: error: cannot use the database:"), lines
     assert "damaged" in lines[0] or "not a database" in lines[0], lines
@@ -305,11 +336,149 @@ def test_read_only_database_is_a_one_line_error(tmp_path):
         Store(ro / "learn.db").close()
         subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
         d = Learnd(tmp_path, "--learner", "static", db=ro / "learn.db", wait_ready=False)
-        assert d.proc.wait(30) == 1, d.text()
+        assert d.proc.wait(scaled(30)) == 1, d.text()
     finally:
         subprocess.run(["umount", "-l", str(ro)])
     lines = d.text().strip().splitlines()
     assert len(lines) == 1 and "read-only" in lines[0], lines
+
+
+def learnd_status(d):
+    r = subprocess.run([sys.executable, "-m", "hakmem", "status", "--json", "--run-dir", str(d.run), "--db",
+                        str(d.db)], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=scaled(30))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["status"]
+
+
+def mount_or_skip(argv, why):
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: {why}")
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"{why}: {' '.join(argv)} failed: {r.stderr.strip()}")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    d = tmp_path / "small"
+    d.mkdir()
+    mount_or_skip(["mount", "-t", "tmpfs", "-o", "size=4m", "hakmem-test", str(d)],
+                  "mounts a 4 MiB tmpfs for the database to fill")
+    yield d
+    subprocess.run(["umount", "-l", str(d)])
+
+
+def test_full_file_system_under_the_database_loses_no_samples(tmp_path, small_tmpfs):
+    """A database whose file system fills up while learnd runs: SQLite says
+    "database or disk is full"; learnd keeps sampling, says so once (log and
+    `hakmem status`), keeps the rows in memory, and stores every one of them
+    once space is freed: no gap in the workload's windows."""
+    d = Learnd(tmp_path, "--learner", "static", db=small_tmpfs / "learn.db")
+    filler = small_tmpfs / "filler"
+    try:
+        w = start(["burst", 64, 3000, scaled(9)], d.shm)
+        ring_path(d.shm, w.pid)
+        wait_for(lambda: windows_of(d.db, w.pid) >= 2, 5, "two windows of the workload stored")
+        with open(filler, "wb") as f:        # every free block of the file system
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        d.wait_log("database or disk is full: keeping", 10)
+        warnings = learnd_status(d)["warnings"]
+        assert len(warnings) == 1 and "database or disk is full" in warnings[0] and \
+            "writes waiting in memory" in warnings[0], warnings
+        time.sleep(2.5)         # the stimulus: full for five windows
+        filler.unlink()
+        d.wait_log("database writable again", 10)
+        assert learnd_status(d)["warnings"] == []
+        finish(w)
+        d.wait_log(f"process_exited workload[{w.pid}]")
+    finally:
+        filler.unlink(missing_ok=True)
+        assert d.stop() == 0, d.text()
+    log = d.text()
+    assert log.count("database or disk is full: keeping") == 1, log
+    ends = [t for (t,) in db_rows(d.db, "SELECT w.t_end FROM windows w JOIN processes p ON p.id = w.process_id "
+                                       "WHERE p.pid = ? ORDER BY w.t_end", w.pid)]
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    assert len(ends) >= 10 and max(gaps) < 2.5 * PERIOD, (len(ends), gaps)
+    assert db_rows(d.db, "SELECT count(*) FROM processes WHERE pid = ? AND exited IS NOT NULL", w.pid) == [(1,)]
+    assert db_rows(d.db, "PRAGMA integrity_check") == [("ok",)]
+
+
+@pytest.fixture
+def ext4_remount_ro(tmp_path):
+    """An ext4 file system on a loop device, mounted errors=remount-ro, and
+    the knob that makes it meet an error (the kernel then turns it read-only
+    under its open files, as it does on a real disk error): (mount point,
+    trigger)."""
+    img, mnt = tmp_path / "ext4.img", tmp_path / "ext4"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts an ext4 image on a loop device")
+    subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
+    mount_or_skip(["mkfs.ext4", "-q", "-F", str(img)], "makes an ext4 image (mkfs.ext4: e2fsprogs)")
+    mount_or_skip(["mount", "-o", "loop,errors=remount-ro", str(img), str(mnt)],
+                  "mounts an ext4 image on a loop device")
+    try:
+        dev = os.path.basename(os.path.realpath(subprocess.run(["findmnt", "-no", "SOURCE", str(mnt)],
+                                                               capture_output=True, text=True).stdout.strip()))
+        trigger = pathlib.Path(f"/sys/fs/ext4/{dev}/trigger_fs_error")
+        if not trigger.exists():
+            pytest.skip(f"needs {trigger} (Linux >= 4.x ext4 sysfs) to turn the file system read-only")
+        yield mnt, trigger
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_database_whose_file_system_turns_read_only_is_reported_and_what_is_lost_is_counted(tmp_path,
+                                                                                           ext4_remount_ro):
+    """The database's file system turns read-only under learnd (ext4 after
+    an error: the kernel remounts it read-only, open files and all, and it
+    stays so until it is unmounted and checked). learnd keeps running and
+    sampling, says once that the database is read-only (log, `hakmem
+    status`), keeps the rows in memory, and at stop exits 1 with one line
+    saying how many writes could not be stored and why."""
+    mnt, trigger = ext4_remount_ro
+    d = Learnd(tmp_path, "--learner", "static", db=mnt / "learn.db")
+    try:
+        w = start(["burst", 64, 3000, scaled(6)], d.shm)
+        ring_path(d.shm, w.pid)
+        wait_for(lambda: windows_of(d.db, w.pid) >= 2, 5, "two windows of the workload stored")
+        trigger.write_text("hakmem test: the database's file system turns read-only\n")
+        d.wait_log("database is read-only", 10)
+        with pytest.raises(OSError, match="Read-only file system"):
+            (mnt / "probe").write_text("x")
+
+        def waiting():
+            ws = learnd_status(d)["warnings"]
+            return ws and ws
+        warnings = wait_for(waiting, 5, "a warning in hakmem status")
+        assert len(warnings) == 1 and "database is read-only" in warnings[0], warnings
+        n0 = int(warnings[0].rsplit(": ", 1)[1].split()[0])
+        # Still sampling: the process's windows go on counting in learnd.
+        procs = lambda: {p["pid"]: p for p in json.loads(subprocess.run(
+            [sys.executable, "-m", "hakmem", "procs", "--json", "--run-dir", str(d.run)], cwd=ROOT,
+            env=clean_env(), capture_output=True, text=True, timeout=scaled(30)).stdout)["processes"]}
+        seen = procs()[w.pid]["windows"]
+        wait_for(lambda: procs().get(w.pid, {}).get("windows", 0) >= seen + 2, 5, "two more windows sampled")
+        finish(w)
+        d.wait_log(f"process_exited workload[{w.pid}]")
+        assert d.proc.poll() is None
+    finally:
+        rc = d.stop()
+    log = d.text().strip().splitlines()
+    assert rc == 1, log[-5:]
+    assert sum("database is read-only" in ln and "keeping" in ln for ln in log) == 1, log
+    last = log[-1]
+    assert last.startswith("hakmem-learnd: error: ") and last.endswith(" writes could not be stored: "
+                                                                      f"{d.db}: database is read-only "
+                                                                      "(its file system is read-only)"), last
+    lost = int(last.split("error: ", 1)[1].split()[0])
+    assert lost >= n0 > 0, (lost, n0)
 
 
 def test_one_learnd_per_run_directory_database_and_telemetry_directory(tmp_path):
@@ -326,13 +495,13 @@ def test_one_learnd_per_run_directory_database_and_telemetry_directory(tmp_path)
                  "another hakmem-learnd is using the database"),
                 ("telemetry dir", dict(db=tmp_path / "o3.db", run=tmp_path / "run3"), "already holds")):
             again = Learnd(tmp_path, "--learner", "static", wait_ready=False, **kw)
-            assert again.proc.wait(30) == 1, shares
+            assert again.proc.wait(scaled(30)) == 1, shares
             lines = again.text().strip().splitlines()
             assert len(lines) == 1 and says in lines[0], (shares, lines)
         # The run directory removed under the first: still one learnd per database.
         subprocess.run(["rm", "-rf", str(d.run)], check=True)
         again = Learnd(tmp_path, "--learner", "static", wait_ready=False, shm=tmp_path / "shm4")
-        assert again.proc.wait(30) == 1
+        assert again.proc.wait(scaled(30)) == 1
         assert "another hakmem-learnd is using the database" in again.text(), again.text()
         assert d.proc.poll() is None
     finally:
@@ -342,7 +511,7 @@ def test_one_learnd_per_run_directory_database_and_telemetry_directory(tmp_path)
 def test_command_line(tmp_path):
     def run(*a):
         return subprocess.run([sys.executable, "-m", "hakmem.daemon", *a], capture_output=True, text=True,
-                              cwd=ROOT, env=clean_env(), timeout=60)
+                              cwd=ROOT, env=clean_env(), timeout=scaled(60))
     r = run("--help")
     assert r.returncode == 0 and "--objective" in r.stdout and "--learner" in r.stdout
     r = run("--db", str(tmp_path / "x.db"), "--objective", "budget=lots")
@@ -361,18 +530,24 @@ def test_a_person_watches_events_and_status_while_a_program_is_tuned(tmp_path):
     cli = [sys.executable, "-m", "hakmem"]
     where = ["--run-dir", str(d.run), "--db", str(d.db)]
     try:
+        events_sock = d.run / "events.sock"
+        before = unix_connections(events_sock)
         ev = subprocess.Popen([*cli, "events", "--json", "--count", "2", "--kind", "p", *where], cwd=ROOT,
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.0)   # the subscription is in place before anything happens (ZeroMQ's slow joiner)
-        w = start(["burst", 64, 4000, 8], d.shm)
+        # The subscription is in place before anything happens (ZeroMQ's slow
+        # joiner): learnd accepted the connection, and the subscription sent
+        # right after it arrives long before the workload's file (an epoch).
+        wait_for(lambda: unix_connections(events_sock) > before or ev.poll() is not None, 10,
+                 "hakmem events connected to learnd")
+        w = start(["burst", 64, 4000, scaled(8)], d.shm)
         ring_path(d.shm, w.pid)
-        out, err = ev.communicate(timeout=30)
+        out, err = ev.communicate(timeout=scaled(30))
         assert ev.returncode == 0, err
         events = [json.loads(line) for line in out.splitlines()]
         assert events[0]["kind"] == "process_started" and events[0]["pid"] == w.pid, events
         assert events[1]["kind"].startswith("policy_"), events
         st = subprocess.run([*cli, "status", "--json", *where], cwd=ROOT, env=clean_env(), capture_output=True,
-                            text=True, timeout=30)
+                            text=True, timeout=scaled(30))
         status = json.loads(st.stdout)
         assert st.returncode == 0 and status["status"]["running"] and status["status"]["processes"] == 1, st.stdout
         finish(w)

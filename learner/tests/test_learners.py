@@ -19,6 +19,8 @@ MIB = 1 << 20
 
 
 # ---- the allocator's class table and defaults (init.c, options.c) -------------------
+# A copy, so the learners can be driven without a library; checked against the
+# built library's own answers by test_the_simulators_class_table_is_the_allocators.
 def class_size(c):
     if c <= 8:
         return c * 16
@@ -51,6 +53,59 @@ def default_knobs():
         batch[c] = min(max(cap[c] // 2, 1), 256)
         warm[c] = clampi(MIB // slab_bytes(s), 1, 1024)
     return {"drain_ms": 1000, "tcache_cap": cap, "tcache_batch": batch, "warm_slabs": warm}
+
+
+LIB_TABLES = r"""
+import ctypes, json, sys
+lib, n = ctypes.CDLL(sys.argv[1]), int(sys.argv[2])
+lib.hk_class_size.restype, lib.hk_class_size.argtypes = ctypes.c_size_t, [ctypes.c_uint]
+lib.hk_size_class.restype, lib.hk_size_class.argtypes = ctypes.c_uint, [ctypes.c_size_t]
+class Bounds(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_uint32) for f in
+                "cap_min cap_max batch_min batch_max warm_min warm_max drain_ms_min drain_ms_max".split()]
+class Policy(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint64), ("tcache_cap", ctypes.c_uint32 * n),
+                ("tcache_batch", ctypes.c_uint32 * n), ("warm_slabs", ctypes.c_uint32 * n),
+                ("drain_ms", ctypes.c_uint32)]
+p = Policy()
+lib.hk_policy_get(ctypes.byref(p))
+bounds = []
+for c in range(n):
+    b = Bounds()
+    lib.hk_policy_bounds(c, ctypes.byref(b))
+    bounds.append({f: getattr(b, f) for f, _ in Bounds._fields_})
+sizes = [lib.hk_class_size(c) for c in range(n)]
+print(json.dumps({"class_size": sizes, "bounds": bounds,
+                  "size_class": [[lib.hk_size_class(s), lib.hk_size_class(s + 1)] for s in sizes[1:]],
+                  "policy": {"drain_ms": p.drain_ms, "tcache_cap": list(p.tcache_cap),
+                             "tcache_batch": list(p.tcache_batch), "warm_slabs": list(p.warm_slabs)}}))
+"""
+
+
+def test_the_simulators_class_table_is_the_allocators():
+    """The simulator's copy of the allocator's tables (class sizes, slab
+    sizes through the default warm pools and their bounds, default knobs,
+    bounds) against the built library's own answers (hk_class_size,
+    hk_size_class, hk_policy_get, hk_policy_bounds), in a python with
+    libhakmem.so preloaded and no HAKMEM_ knobs set."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import LIB, clean_env, scaled
+    r = subprocess.run([sys.executable, "-c", LIB_TABLES, str(LIB), str(C)], env=clean_env(LD_PRELOAD=str(LIB)),
+                       capture_output=True, text=True, timeout=scaled(60))
+    assert r.returncode == 0, r.stderr
+    lib = json.loads(r.stdout)
+    assert lib["class_size"][1:] == SIZES[1:]
+    assert lib["size_class"] == [[c, c + 1 if c + 1 < C else 0] for c in range(1, C)]
+    assert lib["policy"] == default_knobs()
+    ctx = make_ctx()
+    for c in range(1, C):
+        b = lib["bounds"][c]
+        assert (b["cap_max"], b["warm_max"], b["batch_max"], b["drain_ms_max"]) == \
+            (ctx.cap_max[c], ctx.warm_max[c], ctx.batch_max, ctx.drain_ms_max), (c, SIZES[c], b)
+        assert (b["cap_min"], b["batch_min"], b["warm_min"], b["drain_ms_min"]) == (0, 1, 0, 0), (c, b)
 
 
 def make_ctx(explore=True, objective=None):

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import LIB, WORKLOAD, clean_env, proc_start_time, ring_path, run_cli, start, wait_for
+from conftest import LIB, WORKLOAD, clean_env, proc_start_time, ring_path, run_cli, scaled, start, wait_for
 from hakmem import layout as L
 from hakmem.ring import Ring, RingError
 
@@ -27,14 +27,14 @@ def ring_files(d):
 def test_no_file_when_directory_is_absent(tmp_path):
     absent = tmp_path / "absent"
     p = start(["burst", 64, 2000, 0.3], absent)
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
     assert not absent.exists()
     assert list(tmp_path.iterdir()) == []
 
 
 def test_no_file_when_telemetry_is_off(shm):
     p = start(["burst", 64, 2000, 0.3], shm, HAKMEM_TELEMETRY=0)
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
     assert ring_files(shm) == []
 
 
@@ -51,7 +51,7 @@ def test_file_name_mode_owner_and_removal(shm):
         assert h["exe"].endswith("/workload")
         assert re.fullmatch(r"[0-9a-f]{40}", h["build_id"]), h["build_id"]
         assert h["class_size"][CLS64] == 64
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
     assert not path.exists(), "the file must go at normal exit"
 
 
@@ -72,7 +72,7 @@ def test_exec_replaces_the_file_of_the_image_before(shm):
         except RingError:
             return None
     wait_for(workload_file, 5, "the exec'd image's own file")
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
     assert ring_files(shm) == []
 
 
@@ -89,7 +89,7 @@ def test_forked_child_has_its_own_file(shm):
         wait_for(lambda: r.ring_head() > 0, 5, "a record in the child's ring")
     with Ring(str(parent_file)) as r:
         assert r.header()["pid"] == p.pid
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
     assert ring_files(shm) == [], "both files must go at exit"
 
 
@@ -109,7 +109,7 @@ def parse_stats(text):
 
 
 def test_counters_monotonic_and_exit_totals_match_stats(shm):
-    p = start(["mixed", 2, 2.0], shm, HAKMEM_STATS=1)
+    p = start(["mixed", 2, scaled(2.0)], shm, HAKMEM_STATS=1)
     ring = Ring(str(ring_path(shm, p.pid)))
     prev = None
     samples = 0
@@ -128,8 +128,8 @@ def test_counters_monotonic_and_exit_totals_match_stats(shm):
             if prev is None or r["index"] > prev["index"]:
                 prev = r
         samples += 1
-        time.sleep(0.03)
-    out, err = p.communicate(timeout=30)
+        time.sleep(0.03)        # the sampling interval
+    out, err = p.communicate(timeout=scaled(30))
     assert p.returncode == 0, err
     assert samples > 10 and prev is not None and prev["index"] >= 10
     # The file is gone, but our mapping still holds the final record.
@@ -157,11 +157,13 @@ def test_counters_monotonic_and_exit_totals_match_stats(shm):
 
 
 def test_records_every_epoch(shm):
-    p = start(["burst", 64, 3000, 1.5], shm, HAKMEM_TELEMETRY_MS=50)
+    p = start(["burst", 64, 3000, scaled(1.5)], shm, HAKMEM_TELEMETRY_MS=50)
     with Ring(str(ring_path(shm, p.pid))) as ring:
         assert ring.header()["epoch_ms"] == 50
-        time.sleep(1.0)
-        recs = ring.records()
+        # The deadline under test: 12 records (20 epochs' worth at most) within
+        # a second of the file appearing.
+        recs = wait_for(lambda: (lambda r: (r,) if len(r) >= 12 else None)(ring.records()), 1.0,
+                        "12 records in 1 s at 50 ms")[0]
         gaps = np.diff(recs["time_ns"].astype(np.int64)) / 1e6
         assert len(recs) >= 12, f"{len(recs)} records in 1 s at 50 ms"
         assert gaps.min() >= 40, f"records closer than the epoch: {gaps.min():.1f} ms"
@@ -170,7 +172,7 @@ def test_records_every_epoch(shm):
         last = ring.latest()
         assert int(last["index"]) >= int(recs[-1]["index"])
         assert int(last["cls"]["allocs"][CLS64]) >= int(recs[-1]["cls"]["allocs"][CLS64])
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
 
 
 def test_check_mode_publishes_too(shm):
@@ -180,7 +182,7 @@ def test_check_mode_publishes_too(shm):
     with Ring(str(ring_path(shm, p.pid))) as ring:
         wait_for(lambda: ring.ring_head() >= 3, 5, "records in check mode")
         assert ring.policy_in_force()["tcache_cap"][CLS64] > 0   # the policy; check mode ignores it
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
 
 
 # ---- policy through the snapshot ---------------------------------------------
@@ -195,12 +197,12 @@ def test_raising_capacity_lowers_refills(shm):
     # refill all the time; 4096 holds a whole burst. Records come from slow
     # paths only, so once the bigger cache stops the refills the next record
     # is the one written at exit, which the mapping still shows.
-    p = start(["burst", 64, 3000, 3.0], shm)
+    p = start(["burst", 64, 3000, scaled(3.0)], shm)
     with Ring(str(ring_path(shm, p.pid)), writable=True) as ring:
         wait_for(lambda: ring.ring_head() >= 3, 5, "records")
         a = ring.latest()
-        time.sleep(0.8)
-        b = ring.latest()
+        b = wait_for(lambda: (lambda r: r if refills_per_op(a, r)[1] >= 500_000 else None)(ring.latest()), 5,
+                     "500,000 allocations under the default policy")
         before, ops_before = refills_per_op(a, b)
         pol = ring.policy_in_force()
         assert pol["tcache_cap"][CLS64] == 1024
@@ -208,14 +210,15 @@ def test_raising_capacity_lowers_refills(shm):
         pol["tcache_batch"][CLS64] = 256
         t0 = time.monotonic()
         v = ring.write_policy(pol)
-        applied, status = ring.wait_applied(v, timeout=1.0)
+        applied, status = ring.wait_applied(v, timeout=scaled(1.0))
         took = time.monotonic() - t0
         assert applied, status
-        assert took <= 0.2, f"applied after {took * 1000:.0f} ms"
+        assert took <= scaled(0.2), f"applied after {took * 1000:.0f} ms"   # the deadline under test
         assert ring.policy_in_force()["tcache_cap"][CLS64] == 4096
-        time.sleep(0.2)   # the first bursts fill the bigger cache
+        # From here to exit: the refills that fill the bigger cache count
+        # against it (a few, against millions of allocations).
         c = ring.latest()
-        assert p.wait(timeout=30) == 0
+        assert p.wait(timeout=scaled(30)) == 0
         assert ring.exited()
         after, ops_after = refills_per_op(c, ring.latest())
     assert ops_before > 100_000 and ops_after > 100_000, (ops_before, ops_after)
@@ -224,7 +227,8 @@ def test_raising_capacity_lowers_refills(shm):
 
 
 def test_set_policy_cli(shm):
-    p = start(["burst", 64, 2000, 3.0], shm)
+    # Long enough for eight CLI runs on a loaded machine; stopped at the end.
+    p = start(["burst", 64, 2000, scaled(60)], shm)
     ring_path(shm, p.pid)
     r = run_cli("ring", "set-policy", "--dir", shm, p.pid, "tcache_cap@64=2000", "drain_ms=250", "--json")
     assert r.returncode == 0, r.stderr
@@ -246,7 +250,9 @@ def test_set_policy_cli(shm):
         assert e.returncode == 1 and e.stderr.count("\n") == 1 and "Traceback" not in e.stderr, e.stderr
     human = run_cli("ring", "dump", "--dir", shm, p.pid)
     assert human.returncode == 0 and "allocs/s" in human.stdout and "policy: v" in human.stdout
-    assert p.wait(timeout=30) == 0
+    assert p.poll() is None, "the workload survived every policy written"
+    p.kill()
+    p.wait(timeout=scaled(30))
 
 
 # ---- the reader facing bad files ---------------------------------------------
@@ -266,7 +272,7 @@ def test_reader_rejects_bad_files(shm, tmp_path):
     wait_for(lambda: Ring(str(src)).ring_head() > 0, 5, "a record")
     good = tmp_path / "copy"
     shutil.copy(src, good)
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
     data = good.read_bytes()
     assert run_cli("ring", "dump", good).returncode == 0
 
@@ -299,7 +305,7 @@ def test_reader_distrusts_a_file_owned_by_another_user(shm):
     one_line_error(path, "not trusted")
     r = run_cli("ring", "set-policy", "--dir", shm, p.pid, "drain_ms=10")
     assert r.returncode == 1 and "not trusted" in r.stderr
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0
 
 
 def test_cli_usage_errors():
@@ -319,4 +325,4 @@ def test_watch_samples_and_stops(shm):
     assert r.returncode == 0, r.stderr
     lines = [json.loads(l) for l in r.stdout.splitlines()]
     assert lines and all(l["pid"] == p.pid for l in lines)
-    assert p.wait(timeout=30) == 0
+    assert p.wait(timeout=scaled(30)) == 0

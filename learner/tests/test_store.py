@@ -1,6 +1,7 @@
 """Programs are learned per user (issue 10, finding 4): the configuration's
 pool_users and users_key, the store's programs keyed (exe, build id, users),
-how the CLI's names find them, and migration 0002 on a database made before.
+how the CLI's names find them, and migration 0002 on a database made before;
+retention (raw windows merged per minute after 6 h, dropped after 30 days).
 
 Real SQLite files; no learnd, no allocator.
 """
@@ -9,6 +10,7 @@ import json
 import pwd
 import sqlite3
 
+import numpy as np
 import pytest
 
 from hakmem import config
@@ -306,3 +308,107 @@ def test_migration_0002_is_all_or_nothing(tmp_path, monkeypatch):
     assert db.execute("SELECT count(*) FROM programs").fetchone() == (3,)
     db.close()
     assert _dump(path) == before
+
+
+# ---- retention: raw windows merged per minute after 6 h, dropped after 30 days ------------
+H, DAY = 3600.0, 86400.0
+NOW = 60 * 20_000_000 + 30.0          # 30 s into a minute
+VALUE_COLS = ("allocs", "refills", "drains", "remote_frees", "slow_ns", "os_calls", "minflt", "rss_bytes",
+              "cached_bytes", "live_bytes", "committed_bytes", "time_cost", "mem_cost", "cost")
+
+
+def _window(proc, pol, t_end, v, mix=True, merged=1):
+    """A window ending at t_end whose every value column is v (cost: 2v)."""
+    row = {c: float(v) for c in VALUE_COLS}
+    row.update(cost=2.0 * v, process_id=proc, policy_id=pol, t_start=t_end - 1.0, t_end=t_end, merged=merged,
+               mix=np.arange(L.NUM_CLASSES, dtype=np.float32) if mix else None)
+    return row
+
+
+def _windows(path):
+    """Every window as (process, policy, t_start, t_end, merged, allocs, cost, has mix), in time order."""
+    db = sqlite3.connect(path)
+    try:
+        return db.execute("SELECT process_id, policy_id, t_start, t_end, merged, allocs, cost, mix IS NOT NULL "
+                          "FROM windows ORDER BY t_end, process_id, policy_id").fetchall()
+    finally:
+        db.close()
+
+
+def test_retention_merges_raw_windows_per_minute_after_6_hours_and_drops_them_after_30_days(tmp_path):
+    """Store.retain with its defaults (learnd's: Config.raw_hours 6, keep_days
+    30) on a real file: which rows it keeps, merges and drops, to the second,
+    and the merged rows' values (the mean of what they merge)."""
+    path = tmp_path / "learn.db"
+    s = Store(path)
+    prog = s.program(EXE, BUILD, "0", SIZES, now=NOW)
+    proc, other = s.process(prog, 100, 1, 0, now=NOW), s.process(prog, 101, 1, 0, now=NOW)
+    a, b = s.policy(prog, knobs(cap=64), "default", now=NOW), s.policy(prog, knobs(cap=128), "learned", now=NOW)
+    minute = 60 * int((NOW - 7 * H) // 60)           # a minute 7 h ago
+    rows = [
+        _window(proc, a, NOW - 10, 5),                # recent: kept as it is
+        _window(proc, a, NOW - 6 * H + 1, 7),         # 1 s short of 6 h: kept as it is
+        _window(proc, a, NOW - 6 * H - 1, 9),         # 1 s past 6 h: merged, alone in its minute
+        # one minute 7 h ago: 4 windows of (proc, a) merged into one, mean 3;
+        _window(proc, a, minute + 1, 1), _window(proc, a, minute + 20, 2),
+        _window(proc, a, minute + 40, 3), _window(proc, a, minute + 59.5, 6),
+        _window(proc, b, minute + 30, 10),            # another policy: a row of its own
+        _window(other, a, minute + 30, 20),           # another process: a row of its own
+        _window(proc, a, minute + 60, 11),            # the next minute: a row of its own
+        _window(proc, None, minute + 10, 12), _window(proc, None, minute + 50, 14),   # no single policy: merged too
+        _window(proc, a, NOW - 30 * DAY + 60, 30),    # 30 days less a minute: merged, kept
+        _window(proc, a, NOW - 30 * DAY - 1, 31),     # 30 days and a second: dropped
+        _window(proc, a, NOW - 40 * DAY, 40),         # long gone: dropped
+        _window(proc, a, NOW - 8 * H, 50, mix=False, merged=5),   # merged before: kept, not merged again
+        _window(proc, a, NOW - 31 * DAY, 60, mix=False, merged=5),  # merged before, past 30 days: dropped
+    ]
+    assert s.add_windows(rows) == len(rows)
+    before = _windows(path)
+    assert len(before) == 17
+
+    assert s.retain(now=NOW) == {"before": 17, "after": 10}
+    want = sorted([
+        (proc, a, NOW - 30 * DAY + 59, NOW - 30 * DAY + 60, 1, 30.0, 60.0, 0),
+        (proc, a, NOW - 8 * H - 1, NOW - 8 * H, 5, 50.0, 100.0, 0),
+        (proc, a, minute, minute + 59.5, 4, 3.0, 6.0, 0),
+        (proc, b, minute + 29, minute + 30, 1, 10.0, 20.0, 0),
+        (other, a, minute + 29, minute + 30, 1, 20.0, 40.0, 0),
+        (proc, None, minute + 9, minute + 50, 2, 13.0, 26.0, 0),
+        (proc, a, minute + 59, minute + 60, 1, 11.0, 22.0, 0),
+        (proc, a, NOW - 6 * H - 2, NOW - 6 * H - 1, 1, 9.0, 18.0, 0),
+        (proc, a, NOW - 6 * H, NOW - 6 * H + 1, 1, 7.0, 14.0, 1),
+        (proc, a, NOW - 11, NOW - 10, 1, 5.0, 10.0, 1),
+    ], key=lambda r: (r[3], r[0], r[1] or 0))
+    assert _windows(path) == want
+    # Every value column of a merged row is the mean of what it merged.
+    db = sqlite3.connect(path)
+    vals = db.execute(f"SELECT {', '.join(VALUE_COLS)} FROM windows WHERE merged = 4").fetchall()
+    db.close()
+    assert vals == [tuple([3.0] * 13 + [6.0])]
+    # Again at once: nothing left to merge or drop.
+    assert s.retain(now=NOW) == {"before": 10, "after": 10}
+    assert _windows(path) == want
+    # A day later the raw rows of then (the two recent ones) are merged; the
+    # row 30 days less a minute old is dropped.
+    assert s.retain(now=NOW + DAY) == {"before": 10, "after": 9}
+    later = _windows(path)
+    assert all(not r[7] for r in later) and sum(r[4] for r in later) == sum(r[4] for r in want) - 1
+    assert s.integrity_check() == "ok"
+    s.close()
+
+
+def test_retention_keeps_at_most_max_rows_dropping_the_oldest(tmp_path):
+    path = tmp_path / "learn.db"
+    s = Store(path)
+    prog = s.program(EXE, BUILD, "0", SIZES, now=NOW)
+    proc = s.process(prog, 100, 1, 0, now=NOW)
+    pol = s.policy(prog, knobs(), "default", now=NOW)
+    s.add_windows([_window(proc, pol, NOW - 100 + i, i) for i in range(10)])
+    assert s.retain(now=NOW, max_rows=4) == {"before": 10, "after": 4}
+    assert [r[5] for r in _windows(path)] == [6.0, 7.0, 8.0, 9.0]
+    s.close()
+
+
+def test_learnd_retention_settings_are_the_documented_ones():
+    cfg = Config()
+    assert (cfg.raw_hours, cfg.keep_days, cfg.max_windows, cfg.retain_every) == (6.0, 30.0, 500_000, 600.0)

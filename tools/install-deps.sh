@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
 # Installs the Debian packages that building and testing hakmem need.
 # Idempotent: installs only what is missing. Needs root (or sudo) only then.
+#
+#   tools/install-deps.sh              what building and testing need (make deps)
+#   tools/install-deps.sh GROUP...     only the named groups:
+#     base         the same as no argument
+#     postgresql   PostgreSQL 15 with pgbench (/usr/lib/postgresql/15/bin), for
+#                  learner/tests/test_postgres.py
 set -euo pipefail
 
-pkgs=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps protobuf-compiler)
+base=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps protobuf-compiler)
+
+pkgs=()
+[ $# -eq 0 ] && pkgs=("${base[@]}")
+for group in "$@"; do
+  case "$group" in
+    base) pkgs+=("${base[@]}") ;;
+    postgresql) pkgs+=(postgresql) ;;
+    *) echo "install-deps: unknown group '$group' (groups: base, postgresql)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -15,8 +15,9 @@ SYNCHRONIZATION AND LIFE CYCLE
     from its ring, faults and resident memory from /proc); a program's
     windows are summed and given to its learner, whose decision is written
     into every live process's policy snapshot. A window counts as evidence
-    for a policy only when every process had confirmed it (applied_version)
-    before the window began (learning.Window.knobs).
+    for a policy only when every process that allocated in it had confirmed
+    it (applied_version) before the window began (learning.Window.knobs);
+    a process that allocated nothing in the window cannot have looked.
  4. Everything for the store goes through `Writes`, a queue applied in order:
     when the database is locked, read-only or full, rows wait in memory and
     are written when it can be written again. Nothing sampled is lost but
@@ -665,12 +666,16 @@ class Daemon:
                 parts.append((p, w))
             if not parts or prog.ctx is None:
                 continue
-            # Evidence for the target only when every process had applied it
-            # before the window began. A process that runs no slow path never
-            # looks at a new snapshot: its windows are still the old policy's.
+            # Evidence for the target only when every process that allocated
+            # in the window had applied it before the window began. A process
+            # takes up a snapshot when it allocates (a slow path or a
+            # check-in); one that allocated nothing here (it wrote no record:
+            # PostgreSQL's background writer between its rounds) cannot have
+            # looked, and it neither confirms the target nor holds it back.
             in_force = prog.target is not None and all(
-                same(p.written_knobs, prog.target) and p.confirmed_at is not None and p.confirmed_at <= t0_mono
-                for p, _ in parts)
+                same(p.written_knobs, prog.target)
+                and ((p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w["active"])
+                for p, w in parts)
             knobs = prog.target if in_force else None
             tot = {k: sum(w[k] for _, w in parts) for k in parts[0][1] if k != "active"}
             tc = time_cost(float(tot["slow_ns"].sum()), tot["minflt"], tot["os_calls"], self.prices)

@@ -395,7 +395,7 @@ class GPLearner(_Reports):
                     self._settle()
                     return Decision(self._inc, "rollback",
                                     f"the program did not apply the candidate in {self.stall_windows} windows "
-                                    f"(it runs no allocator slow path, where policies are taken up): back to the "
+                                    f"(its processes allocate but none took it up): back to the "
                                     f"incumbent, settled", self._take())
             return None
         self._stall = 0

@@ -142,10 +142,20 @@ $(BUILD)/learner/workload: learner/tests/workload.c
 	@$(if $(Q),echo "  CC      $@")
 	$(Q)$(CC) -std=gnu11 -O1 -g -Wall -Wextra -pthread $< -o $@
 
-tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload bench-build ## build the C/C++ test programs, the workloads and the benchmarks
+# A workload that reports exactly what it did (test_counters.py).
+$(BUILD)/learner/counted: learner/tests/counted.c
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) -std=gnu11 -O1 -g -Wall -Wextra -pthread $< -o $@
+
+tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload $(BUILD)/learner/counted bench-build ## build the C/C++ test programs, the workloads and the benchmarks
 
 test: deps tests ## install what tests need, build, run every test (C, stress, real programs, memcheck)
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
+
+.PHONY: mutate
+mutate: venv ## apply each curated bug (tools/mutants.toml) to a copy of the tree, run the tests that cover it; fails if one survives
+	$(Q)$(PYTHON3) tools/mutate.py $(MUTATE_ARGS)
 
 .PHONY: demo
 demo: deps lib venv $(BUILD)/learner/workload ## build, run python3 and sqlite3 preloaded, then hakmem-learnd tuning a preloaded workload, and show the learned policy

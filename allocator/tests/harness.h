@@ -7,7 +7,14 @@
  * and goes on with the next check (so one run shows every failure). The
  * harness itself never allocates: output goes through write(2) on a stack
  * buffer, so it is safe to use while the allocator under test is broken.
- * Each test program ends with one line "NAME: N passed, N failed".
+ * Each test program ends with one line "NAME: N passed, N failed" (and
+ * ", N skipped" when a test skipped).
+ *
+ * SKIP("reason", ...) ends the current test as skipped: it prints
+ * "skip NAME: reason", which allocator/tests/run.sh shows as a SKIP line of
+ * its own (the program's other tests still count as its PASS). A reason
+ * that starts with "ci-exempt: " says why CI cannot run the test; under
+ * CI=true any other skip fails the run (README "How to add a test").
  */
 #ifndef HK_HARNESS_H
 #define HK_HARNESS_H
@@ -18,7 +25,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static int harness_passed, harness_failed, harness_cur_failed;
+static int harness_passed, harness_failed, harness_skipped, harness_cur_failed, harness_cur_skipped;
 static const char* harness_cur_name;
 
 __attribute__((format(printf, 1, 2), unused))
@@ -66,12 +73,25 @@ static void harness_say(const char* fmt, ...) {
     }                                                                         \
   } while (0)
 
+/* Ends the current test as skipped, saying why (printf format). */
+#define SKIP(...)                                                             \
+  do {                                                                        \
+    char hs_[400];                                                            \
+    snprintf(hs_, sizeof hs_, __VA_ARGS__);                                   \
+    harness_say("skip %s: %s\n", harness_cur_name, hs_);                      \
+    harness_cur_skipped = 1;                                                  \
+    return;                                                                   \
+  } while (0)
+
 #define RUN(name)                                                             \
   do {                                                                        \
     harness_cur_name = #name;                                                 \
     harness_cur_failed = 0;                                                   \
+    harness_cur_skipped = 0;                                                  \
     test_##name();                                                            \
-    if (harness_cur_failed) {                                                 \
+    if (harness_cur_skipped && !harness_cur_failed) {                         \
+      harness_skipped++;                                                      \
+    } else if (harness_cur_failed) {                                          \
       harness_failed++;                                                       \
       harness_say("not ok %s\n", #name);                                      \
     } else {                                                                  \
@@ -82,7 +102,11 @@ static void harness_say(const char* fmt, ...) {
 
 __attribute__((unused))
 static int harness_done_named(const char* prog) {
-  harness_say("%s: %d passed, %d failed\n", prog, harness_passed, harness_failed);
+  if (harness_skipped)
+    harness_say("%s: %d passed, %d failed, %d skipped\n", prog, harness_passed, harness_failed,
+                harness_skipped);
+  else
+    harness_say("%s: %d passed, %d failed\n", prog, harness_passed, harness_failed);
   return harness_failed ? 1 : 0;
 }
 #define harness_done() harness_done_named(__FILE__)

@@ -10,12 +10,21 @@
 # Each test's output goes to build/test-logs/; a failure prints its tail.
 # Environment: BUILD (default build), TESTS (a grep pattern to select tests),
 # MEMCHECK=0 to skip the valgrind pass.
+#
+# Skips are never counted as passes: every skipped test prints its own SKIP
+# line with its reason, from wherever it comes: a whole program or script
+# that exits 77 (reason: its last line), a C test inside a program
+# (harness.h SKIP: a "skip NAME: reason" line), a pytest test (the junit
+# report of its file), or a pass this runner cannot make (no valgrind, no
+# .venv, benchmarks not built). Under CI=true a skip is a failure unless its
+# reason starts with "ci-exempt: " (why CI cannot run it; README "How to add
+# a test").
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 LOGS=$BUILD/test-logs
 mkdir -p "$LOGS"
-rm -f "$LOGS"/*.log
+rm -f "$LOGS"/*.log "$LOGS"/*.xml
 LIB=$(readlink -f "$BUILD/libhakmem.so")
 # The tests set the knobs they test themselves; a HAKMEM_* left in the
 # caller's environment (HAKMEM_STATS=1, say) must not change their outcome.
@@ -25,6 +34,45 @@ for v in $(env | grep -o '^HAKMEM_[A-Z_]*'); do unset "$v"; done
 export HAKMEM_TELEMETRY=0
 pass=0 fail=0 skip=0 failed_names=()
 start_all=$(date +%s)
+IN_CI=0
+case "${CI:-}" in true|1|yes) IN_CI=1;; esac
+
+# skip_line NAME REASON: one skipped test. Under CI=true a skip whose reason
+# does not start with "ci-exempt: " fails the run instead.
+skip_line() {
+  local name=$1 why=$2
+  if [ $IN_CI = 1 ] && [[ "$why" != ci-exempt:* ]]; then
+    fail=$((fail+1)); failed_names+=("$name")
+    printf '  FAIL  %-46s skipped under CI=true without a ci-exempt reason: %s\n' "$name" "$why"
+  else
+    skip=$((skip+1)); printf '  SKIP  %-46s %s\n' "$name" "$why"
+  fi
+}
+
+# skips_inside NAME LOG: the tests a program that passed skipped: C tests'
+# "skip TEST: reason" lines (harness.h SKIP), and pytest's junit report
+# LOG.xml (skipped and xfailed tests with their reasons).
+skips_inside() {
+  local name=$1 log=$2 line
+  while IFS= read -r line; do
+    [ -n "$line" ] || continue
+    skip_line "$name:${line%%: *}" "${line#*: }"
+  done < <(sed -n 's/^skip \([A-Za-z0-9_]*\): /\1: /p' "$log")
+  [ -f "${log%.log}.xml" ] || return 0
+  while IFS= read -r line; do
+    [ -n "$line" ] || continue
+    skip_line "$name:${line%%$'\t'*}" "${line#*$'\t'}"
+  done < <(python3 - "${log%.log}.xml" <<'PY'
+import sys, xml.etree.ElementTree as ET
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    for s in case.findall("skipped"):
+        why = " ".join((s.get("message") or s.text or "no reason given").split())
+        if why.startswith("Skipped: "):
+            why = why[len("Skipped: "):]
+        print(f"{case.get('name')}\t{why}")
+PY
+)
+}
 
 # run_one NAME TIMEOUT CMD... — exit 0 pass, 77 skip, anything else fail.
 run_one() {
@@ -37,8 +85,9 @@ run_one() {
   local dt="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
   if [ $rc -eq 0 ]; then
     pass=$((pass+1)); printf '  PASS  %-46s %6ss\n' "$name" "$dt"
+    skips_inside "$name" "$log"
   elif [ $rc -eq 77 ]; then
-    skip=$((skip+1)); printf '  SKIP  %-46s %s\n' "$name" "$(tail -n1 "$log")"
+    skip_line "$name" "$(tail -n1 "$log")"
   else
     fail=$((fail+1)); failed_names+=("$name")
     [ $rc -eq 124 ] && echo "timed out after ${limit}s" >>"$log"
@@ -101,17 +150,20 @@ done
 echo "== benchmarks, briefly, under hakmem (bench/smoke.sh: result line, allocator, content checks)"
 if [ -x "$BUILD/bench/random_mixed" ]; then
   run_one "bench/smoke" 300 env BUILD="$BUILD" bench/smoke.sh "$LIB"
+elif [ -z "${TESTS:-}" ] || grep -qE -- "$TESTS" <<<"bench/smoke"; then
+  skip_line "bench/smoke" "benchmarks not built ($BUILD/bench/random_mixed missing: make tests builds them)"
 fi
 
 echo "== Python: layout contract, ring reader, policy snapshots (learner/tests)"
 if [ -x .venv/bin/python ]; then
   for f in learner/tests/test_*.py; do
-    run_one "python/$(basename "$f" .py)" 300 env BUILD="$BUILD" \
-      .venv/bin/python -m pytest -q -p no:cacheprovider -rs "$f"
+    n=python/$(basename "$f" .py)
+    rm -f "$LOGS/${n//\//_}.xml"
+    run_one "$n" 300 env BUILD="$BUILD" \
+      .venv/bin/python -m pytest -q -p no:cacheprovider -rs --junitxml="$LOGS/${n//\//_}.xml" "$f"
   done
 else
-  echo "  .venv missing: Python tests skipped (make venv creates it)"
-  skip=$((skip+1))
+  skip_line "python" ".venv missing: Python tests not run (make venv creates it)"
 fi
 
 if [ "${MEMCHECK:-1}" != 0 ]; then
@@ -144,12 +196,10 @@ if [ "${MEMCHECK:-1}" != 0 ]; then
       run_one "memcheck/sees_planted_bugs" 300 \
         bash -c "$(declare -f vg_expect); vg_expect $BUILD/debug/tests/vgcheck_bugs"
     else
-      echo "  debug build lacks valgrind annotations (no valgrind/memcheck.h): planted-bug check skipped"
-      skip=$((skip+1))
+      skip_line "memcheck/sees_planted_bugs" "debug build lacks valgrind annotations (no valgrind/memcheck.h; make deps installs it)"
     fi
   else
-    echo "  valgrind not installed: memcheck pass skipped (make deps installs it)"
-    skip=$((skip+1))
+    skip_line "memcheck" "valgrind not installed: memcheck pass not run (make deps installs it)"
   fi
 fi
 

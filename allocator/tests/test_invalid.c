@@ -9,6 +9,14 @@
  * which the allocator reads at start-up, so the test re-executes itself
  * (/proc/self/exe --case NAME) with HAKMEM_CHECK=1 in the environment.
  * Without it the case runs once for information only.
+ *
+ * "The error path never allocates" (README "Safety"): the noalloc_* cases
+ * take the counters (hk_stats_get: this thread's counts are exact, and
+ * every malloc of the process, glibc's own included, is hakmem's in this
+ * statically linked test) right before the invalid free, catch the SIGABRT
+ * that ends the report, and take them again in the handler: any block
+ * handed out or freed in between (a report formatted with stdio, a strdup)
+ * shows as a difference, and the child exits 43 instead of 42.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -23,6 +31,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "hakmem.h"
 #include "harness.h"
 
 #define EXPECT_MSG "hakmem: invalid free of 0x"
@@ -134,6 +143,83 @@ static void bad_write_after_free(void) {
   }
 }
 
+/* ---- the error path allocates nothing -------------------------------------- */
+static hk_stats_t na_before, na_after;
+
+static void na_totals(const hk_stats_t* s, uint64_t* allocs, uint64_t* frees, uint64_t* live) {
+  *allocs = *frees = *live = 0;
+  for (unsigned c = 0; c < HK_NUM_CLASSES; c++) {
+    *allocs += s->cls[c].allocs;
+    *frees += s->cls[c].frees;
+    *live += s->cls[c].live_bytes;
+  }
+}
+
+static void na_on_abort(int sig) {
+  (void)sig;
+  hk_stats_get(&na_after);
+  uint64_t a0, f0, l0, a1, f1, l1;
+  na_totals(&na_before, &a0, &f0, &l0);
+  na_totals(&na_after, &a1, &f1, &l1);
+  int same = a0 == a1 && f0 == f1 && l0 == l1;
+  harness_say("noalloc: %s: %llu blocks handed out, %llu freed, live bytes %llu -> %llu\n",
+              same ? "nothing allocated" : "the error path allocated",
+              (unsigned long long)(a1 - a0), (unsigned long long)(f1 - f0),
+              (unsigned long long)l0, (unsigned long long)l1);
+  _exit(same ? 42 : 43);
+}
+
+/* Called right before the invalid call. */
+static void na_arm(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = na_on_abort;
+  sigaction(SIGABRT, &sa, NULL);
+  hk_stats_get(&na_before);
+}
+
+static void noalloc_interior_64(void) {
+  char* p = malloc(64);
+  if (!p) _exit(3);
+  memset(p, 0, 64);
+  na_arm();
+  free(launder(p + 16));
+}
+
+static void noalloc_double_free_64(void) {
+  char* p = malloc(64);
+  if (!p) _exit(3);
+  free(p);
+  na_arm();
+  free(launder(p));
+}
+
+static void noalloc_free_stack(void) {
+  char buf[256];
+  memset(buf, 1, sizeof buf);
+  na_arm();
+  free(launder(buf + 64));
+}
+
+static void noalloc_interior_huge(void) {
+  char* p = malloc(4 * 1024 * 1024);
+  if (!p) _exit(3);
+  memset(p, 0, 4096);
+  na_arm();
+  free(launder(p + 16));
+}
+
+/* With HAKMEM_CHECK=1: found by the slab, under the class lock. */
+static void noalloc_double_free_nonadjacent(void) {
+  char* a = malloc(64);
+  char* b = malloc(64);
+  if (!a || !b) _exit(3);
+  free(a);
+  free(b);
+  na_arm();
+  free(launder(a));
+}
+
 static void ok_valid_free(void) {
   void* p = malloc(64);
   void* q = malloc(64 * 1024);
@@ -164,6 +250,11 @@ static const bad_case_t cases[] = {
     {"realloc_stack", bad_realloc_stack},
     {"double_free_nonadjacent", bad_double_free_nonadjacent},
     {"valid_free", ok_valid_free},
+    {"noalloc_interior_64", noalloc_interior_64},
+    {"noalloc_double_free_64", noalloc_double_free_64},
+    {"noalloc_free_stack", noalloc_free_stack},
+    {"noalloc_interior_huge", noalloc_interior_huge},
+    {"noalloc_double_free_nonadjacent", noalloc_double_free_nonadjacent},
 };
 #define N_CASES (sizeof cases / sizeof cases[0])
 
@@ -303,6 +394,27 @@ TEST(valid_free_is_quiet) {
   }
 }
 
+/* The report is printed and the process aborts, and between the invalid
+ * call and the abort not one block was handed out or freed. */
+static void expect_no_allocation(const char* name, int reexec) {
+  child_result_t r;
+  int rc = run_child(name, reexec, &r);
+  CHECK_EQ(rc, 0);
+  if (rc != 0) return;
+  int ok = r.exited && r.code == 42 && strstr(r.out, EXPECT_MSG) != NULL &&
+           strstr(r.out, "noalloc: nothing allocated") != NULL;
+  if (!ok) describe(name, &r);
+  CHECK(ok);
+}
+
+TEST(error_path_never_allocates) {
+  expect_no_allocation("noalloc_interior_64", 0);
+  expect_no_allocation("noalloc_double_free_64", 0);
+  expect_no_allocation("noalloc_free_stack", 0);
+  expect_no_allocation("noalloc_interior_huge", 0);
+  expect_no_allocation("noalloc_double_free_nonadjacent", 1);
+}
+
 TEST(usable_size_null) {
   CHECK_EQ(malloc_usable_size(NULL), 0);
   void* p = malloc(10);
@@ -337,5 +449,6 @@ int main(int argc, char** argv) {
   RUN(double_free_nonadjacent_checked);
   RUN(free_slab_slack);
   RUN(write_after_free_checked);
+  RUN(error_path_never_allocates);
   return harness_done();
 }

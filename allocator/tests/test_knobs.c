@@ -316,6 +316,41 @@ static int child_report(void) {
   return 0;
 }
 
+/* Child mode: HAKMEM_TCACHE_CAP (in the environment) against every class's
+ * own bound: each cap is the value clamped to that class's cap_max, and the
+ * policy in force is one hk_policy_set accepts again. */
+static int child_caps(void) {
+  const char* e = getenv("HAKMEM_TCACHE_CAP");
+  long want = e ? atol(e) : -1;
+  hk_policy_t p;
+  hk_policy_get(&p);
+  int bad = 0;
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    hk_policy_bounds_t b;
+    hk_policy_bounds(c, &b);
+    uint32_t expect = want > (long)b.cap_max ? b.cap_max : (uint32_t)want;
+    if (p.tcache_cap[c] != expect || p.tcache_batch[c] > (p.tcache_cap[c] ? p.tcache_cap[c] : 1)) {
+      if (bad++ < 3)
+        harness_say("class %u (%zu B): cap %u, batch %u; expected cap %u (bound %u)\n", c, hk_class_size(c),
+                    p.tcache_cap[c], p.tcache_batch[c], expect, b.cap_max);
+    }
+  }
+  uint64_t v = hk_policy_set(&p);
+  harness_say("caps checked: %d wrong; the policy in force set again: %s\n", bad, v ? "accepted" : "rejected");
+  return bad || !v ? 1 : 0;
+}
+
+TEST(environment_capacity_is_clamped_to_each_class_bound) {
+  char err[4096];
+  const char* caps[] = {"HAKMEM_TCACHE_CAP=4096", "HAKMEM_TCACHE_CAP=100", "HAKMEM_TCACHE_CAP=0"};
+  for (int i = 0; i < 3; i++) {
+    int rc = rerun("caps", caps[i], NULL, err, sizeof err);
+    if (rc != 0) harness_say("  %s: exit %d: %s", caps[i], rc, err);
+    CHECK_EQ(rc, 0);
+    CHECK(strstr(err, "0 wrong; the policy in force set again: accepted") != NULL);
+  }
+}
+
 TEST(environment_overrides_are_read_at_start) {
   char err[4096];
   CHECK_EQ(rerun("report", "HAKMEM_TCACHE_CAP=3", "HAKMEM_DRAIN_MS=250", err, sizeof err), 0);
@@ -359,6 +394,7 @@ TEST(check_mode_disables_thread_caches) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], "report") == 0) return child_report();
+  if (argc > 1 && strcmp(argv[1], "caps") == 0) return child_caps();
   RUN(capacity_one_makes_nearly_every_allocation_a_refill);
   RUN(large_capacity_makes_refills_rare);
   RUN(warm_pool_zero_sends_slab_churn_to_the_os);
@@ -369,6 +405,7 @@ int main(int argc, char** argv) {
   RUN(lowering_capacity_drains_the_excess);
   RUN(out_of_bounds_policies_are_rejected_whole);
   RUN(environment_overrides_are_read_at_start);
+  RUN(environment_capacity_is_clamped_to_each_class_bound);
   RUN(bad_environment_values_warn_and_keep_the_default);
   RUN(stats_at_exit_prints_the_class_table);
   RUN(check_mode_disables_thread_caches);

@@ -71,6 +71,7 @@ run() {  # run plain|pre
 run plain; run pre
 p=plain q=pre
 check_preloaded_stderr "$q"
+check_served "$T/$q.err" 2000000   # measured: 5.2M
 check_plain_rc "$p" "test bug or broken sqlite3"
 grep -qx "ok" "$T/$p.out" || fail "plain run: integrity_check did not print ok" "$T/$p.out"
 check_same "$p" "$q"

@@ -104,6 +104,7 @@ run() {   # run plain|pre
 run plain; run pre
 p=plain q=pre
 check_preloaded_stderr "$q"
+check_served "$T/$q.err" 1500000   # measured: 3.8M
 check_plain_rc "$p" "test bug or broken perl"
 [ -s "$T/$p.out" ] || fail "plain run printed nothing" "$T/$p.err"
 check_same "$p" "$q"

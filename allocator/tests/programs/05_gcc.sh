@@ -158,6 +158,7 @@ run() {   # run plain|pre
 run plain; run pre
 p=plain q=pre
 check_preloaded_stderr "$q"
+check_served "$T/$q.err" 500000 "preloaded build"   # measured: 1.6M in 28 processes
 check_plain_rc "$p" "test bug or broken gcc" "plain build"
 grep -q "^prog1 exit" "$T/$p.out" || fail "plain run did not finish" "$T/$p.out"
 check_same "$p" "$q" "preloaded build" "output differs (plain vs preloaded; md5 lines are gcc outputs)"

@@ -146,6 +146,7 @@ run() {   # run plain|pre
 run plain; run pre
 p=plain q=pre
 check_preloaded_stderr "$q"
+check_served "$T/$q.err" 2000000   # measured: 4.2M
 check_plain_rc "$p" "test bug"
 grep -q "^short-threads" "$T/$p.out" || fail "plain run did not finish" "$T/$p.out"
 check_same "$p" "$q"

@@ -99,6 +99,7 @@ check() {
   [ "$ga" = glibc ] && [ -n "$g" ] || fail "plain run (size $size) failed: '$g $ga'" "$T/fill.err"
   read -r h ha <<<"$(fill "$limit" "$LIB" "$size" $first)"
   [ "$ha" = hakmem ] || fail "preloaded run (size $size) did not run on hakmem: '$h $ha'" "$T/fill.err"
+  check_served "$T/fill.err" 100 "preloaded run (size $size)" >/dev/null
   # 90% of glibc's bytes, of 3/4 of them for 1 MiB blocks (see the top).
   if [ "$size" = 1048576 ]; then need=$(( g / 100 * 90 / 4 * 3 )); else need=$(( g / 100 * 90 )); fi
   verdict="(not checked)"

@@ -7,12 +7,19 @@
 # checks its own prerequisites (need_cmd, skip) and calls setup_scratch, writes
 # its workload, runs it plain and preloaded into $T/TAG.{out,err,rc}, and
 # compares the two runs with check_preloaded_stderr, check_plain_rc and
-# check_same (its own extra checks in between).
+# check_same (its own extra checks in between), and check_served: the
+# preloaded run's HAKMEM_STATS=1 tables (one per process, on stderr) must
+# count at least as many allocations as the workload is known to make, so a
+# library that is mapped but not called (a program that links its own
+# malloc, a preload that lost to another) fails.
 #
 # Env: LIB = absolute path of libhakmem.so (required); WORK = scratch dir
 # (optional); KEEP = non-empty keeps the scratch dir.
 set -u
 export LC_ALL=C
+# Every preloaded process prints its counters at exit (stderr), which
+# check_served reads; plain runs ignore it.
+export HAKMEM_STATS=1
 
 # fail MSG [FILE]: report a failure (with the head of FILE) and exit 1.
 fail() { echo "$name: FAIL: $1"; [ -n "${2:-}" ] && [ -f "$2" ] && head -n 30 "$2"; exit 1; }
@@ -38,10 +45,12 @@ setup_scratch() {
 }
 
 # check_preloaded_stderr Q [LABEL]: the preloaded run Q printed no "hakmem:"
-# and ld.so did not refuse to preload. LABEL names Q in the message.
+# but its stats tables, and ld.so did not refuse to preload. LABEL names Q
+# in the message.
 check_preloaded_stderr() {
   local q=$1 what=${2:-preloaded run}
-  grep -q "hakmem:" "$T/$q.err" && { echo "$name: FAIL: $what printed 'hakmem:' on stderr"; grep -m5 "hakmem:" "$T/$q.err"; exit 1; }
+  grep "hakmem:" "$T/$q.err" | grep -qv "^hakmem: stats (" &&
+    { echo "$name: FAIL: $what printed 'hakmem:' on stderr"; grep "hakmem:" "$T/$q.err" | grep -v "^hakmem: stats (" | head -n 5; exit 1; }
   grep -q "cannot be preloaded" "$T/$q.err" && fail "LD_PRELOAD of '$LIB' was ignored by ld.so" "$T/$q.err"
 }
 
@@ -63,4 +72,27 @@ check_same() {
   if ! cmp -s "$T/$p.out" "$T/$q.out"; then
     echo "$name: FAIL: $differs"; diff "$T/$p.out" "$T/$q.out" | head -n 20; tail -n 5 "$T/$q.err"; exit 1
   fi
+}
+
+# served_allocs FILE: "ALLOCS TABLES": the allocations counted by every
+# HAKMEM_STATS=1 table in FILE (class rows' allocs column, plus huge
+# allocations) and how many tables (processes) there were.
+served_allocs() {
+  # Processes that share the file may interleave their lines (each line is
+  # one write), so a class row is any line of 16 numbers.
+  awk '
+    /^hakmem: stats \(/ { tables++; next }
+    /^  huge: [0-9]+ allocs/ { total += $2; next }
+    NF == 16 { for (i = 1; i <= 16; i++) if ($i !~ /^[0-9]+$/) next; total += $3 }
+    END { printf "%d %d\n", total, tables }' "$1"
+}
+
+# check_served FILE MIN [LABEL]: the tables in FILE count at least MIN
+# allocations: hakmem really served the program.
+check_served() {
+  local file=$1 min=$2 what=${3:-preloaded run} n tables
+  read -r n tables <<<"$(served_allocs "$file")"
+  [ "${tables:-0}" -gt 0 ] || fail "$what printed no HAKMEM_STATS=1 table: was hakmem the allocator?" "$file"
+  [ "$n" -ge "$min" ] || fail "$what: hakmem counted $n allocations in $tables processes, expected at least $min" "$file"
+  echo "$name: $what: hakmem served $n allocations in $tables processes (at least $min expected)"
 }

@@ -552,9 +552,10 @@ TEST(first_alloc_in_last_dtor_round) {
     }
     /* pthread_join returns once the thread cleared its tid, a moment before
      * the kernel is done with it; until then tgkill(tid, 0) still finds it and
-     * the sweep keeps its record. Leaked records would stay: give the kernel
-     * up to 200 ms, not more. */
-    for (int i = 0; i < 20 && th > 2; i++) {
+     * the sweep keeps its record. Leaked records would stay for good, so
+     * polling longer costs only a failing run: up to 5 s (the kernel takes
+     * well under 200 ms, but a loaded CI machine once took longer). */
+    for (int i = 0; i < 500 && th > 2; i++) {
       struct timespec ts = {0, 10000000};
       nanosleep(&ts, NULL);
       stats(&th, &tot);

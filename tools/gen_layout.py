@@ -7,8 +7,11 @@ definition, schemas/shm_layout.json.
 
 Outputs (committed, so building the allocator needs no Python):
     allocator/include/hakmem_counters.h   the counter lists (X-macros)
-    allocator/src/shm_layout.h            structs with static offset checks
-    learner/hakmem/_layout.py             the same definition with offsets
+    allocator/include/hakmem_knobs.h      the knob lists (X-macros: hk_policy_t, the options)
+    allocator/src/shm_layout.h            structs with static offset checks, the version
+    allocator/src/knobs.h                 each knob's bounds and default as C expressions
+    learner/hakmem/_layout.py             the same definition with offsets, the knobs'
+                                          metadata (KNOBS) and their constants
 The generator lays every struct out itself and refuses implicit padding, so
 the offsets it writes into both sides are the only ones there are; the C
 compiler then checks them (_Static_assert) and a test compares them with
@@ -29,13 +32,23 @@ CNAME = {"header": "hk_shm_header_t", "record": "hk_shm_record_t",
          "proc_counters": "hk_shm_proc_t", "class_counters": "hk_shm_class_t"}
 
 
+def knob_fields(spec, marker):
+    """The fields a "@proc_knobs" or "@class_knobs" entry stands for."""
+    per_class = marker == "@class_knobs"
+    return [[k["name"], "u32", spec["num_classes"] if per_class else 1,
+             f"{k['unit']}, {k['desc']}" + (" (class 0: 0)" if per_class else "")]
+            for k in spec["knobs"] if k["per_class"] == per_class]
+
+
 def layout(spec):
     """Returns {struct: {"size", "align", "fields": [(name, type, count, offset, desc)]}}."""
     structs = {
         "proc_counters": [[n, "u64", 1, d] for n, d in spec["proc_counters"]],
         "class_counters": [[n, "u64", 1, d] for n, d in spec["class_counters"]],
     }
-    structs.update(spec["structs"])
+    for name, fields in spec["structs"].items():
+        structs[name] = [g for f in fields
+                         for g in (knob_fields(spec, f[0]) if f[0].startswith("@") else [f])]
     out = {}
 
     def place(name):
@@ -95,6 +108,145 @@ def gen_counters_h(spec):
     return "\n".join(lines)
 
 
+# ---- knobs -------------------------------------------------------------------
+KNOB_KEYS = {"name", "per_class", "bounds", "env", "unit", "desc", "min", "max", "default", "at_most"}
+RULE_KEYS = ({"worth", "per", "lo", "hi"}, {"of", "div", "lo", "hi"})
+
+
+def check_knobs(spec):
+    """Refuses a knobs section the generated code could not follow."""
+    seen = {}
+
+    def rule_ok(rule, k, where, allow_list=True):
+        if isinstance(rule, bool) or (isinstance(rule, int) and rule < 0):
+            sys.exit(f"gen_layout: knob {k['name']}: {where} must be a number >= 0 or a rule")
+        if isinstance(rule, int):
+            return
+        if isinstance(rule, list) and allow_list:
+            if not rule or any("size_max" not in r for r in rule[:-1]) or "size_max" in rule[-1]:
+                sys.exit(f"gen_layout: knob {k['name']}: {where}: every rule of a list but the last has size_max")
+            for r in rule:
+                rule_ok({x: v for x, v in r.items() if x != "size_max"}, k, where, False)
+            return
+        if not isinstance(rule, dict) or set(rule) not in RULE_KEYS:
+            sys.exit(f"gen_layout: knob {k['name']}: {where}: not a rule ({', '.join(map(str, RULE_KEYS))})")
+        if not k["per_class"] and "worth" in rule:
+            sys.exit(f"gen_layout: knob {k['name']}: a per-process knob has no block or slab size")
+        if "per" in rule and rule["per"] not in ("block", "slab"):
+            sys.exit(f"gen_layout: knob {k['name']}: {where}: per is block or slab")
+        if "of" in rule:
+            ref = seen.get(rule["of"])
+            if ref is None or (ref["per_class"] and not k["per_class"]) or rule["div"] < 1:
+                sys.exit(f"gen_layout: knob {k['name']}: {where}: of names an earlier knob (a per-class one only from a per-class knob), div >= 1")
+
+    for k in spec["knobs"]:
+        missing = KNOB_KEYS - {"at_most"} - set(k)
+        if missing or set(k) - KNOB_KEYS:
+            sys.exit(f"gen_layout: knob {k.get('name')}: missing {sorted(missing)} or unknown {sorted(set(k) - KNOB_KEYS)}")
+        if not isinstance(k["min"], int):
+            sys.exit(f"gen_layout: knob {k['name']}: min must be a number")
+        rule_ok(k["max"], k, "max", allow_list=False)
+        rule_ok(k["default"], k, "default")
+        if "of" in (k["max"] if isinstance(k["max"], dict) else {}):
+            sys.exit(f"gen_layout: knob {k['name']}: max depends on the class, not on another knob (use at_most)")
+        if "at_most" in k:
+            ref = seen.get(k["at_most"])
+            if ref is None or (ref["per_class"] and not k["per_class"]):
+                sys.exit(f"gen_layout: knob {k['name']}: at_most names an earlier knob")
+        seen[k["name"]] = k
+    return seen
+
+
+def knob_access(knobs, name):
+    return f"(p)->{name}[cls]" if knobs[name]["per_class"] else f"(p)->{name}"
+
+
+def c_rule(knobs, rule):
+    """A rule as a C expression of size, slab (uint64_t), p (const hk_policy_t*) and cls."""
+    if isinstance(rule, int):
+        return f"{rule}u"
+    if isinstance(rule, list):
+        *firsts, last = rule
+        expr = c_rule(knobs, last)
+        for r in reversed(firsts):
+            one = c_rule(knobs, {x: v for x, v in r.items() if x != "size_max"})
+            expr = f"((size) <= {r['size_max']}u ? {one} : {expr})"
+        return expr
+    if "worth" in rule:
+        per = "(size)" if rule["per"] == "block" else "(slab)"
+        return f"_hk_knob_clamp({rule['worth']}ull / {per}, {rule['lo']}u, {rule['hi']}u)"
+    return f"_hk_knob_clamp((uint64_t){knob_access(knobs, rule['of'])} / {rule['div']}u, {rule['lo']}u, {rule['hi']}u)"
+
+
+def knob_max_any(k):
+    """The largest value the knob takes in any class."""
+    return k["max"] if isinstance(k["max"], int) else k["max"]["hi"]
+
+
+def knob_default_const(k):
+    return k["default"] if isinstance(k["default"], int) else -1
+
+
+def gen_knobs_h(spec):
+    L = [f"/* hakmem_knobs.h — {BANNER}.",
+         " *",
+         " * The policy's knobs: these lists generate hk_policy_t and hk_policy_bounds_t",
+         " * (hakmem.h), the HAKMEM_* options (options.c) and the copies to and from the",
+         " * telemetry file's policy slots (telemetry.c). Each knob's bounds and default",
+         " * are in allocator/src/knobs.h, generated from the same definition.",
+         " * X(name, NAME, bounds, env, unit, min, max_any, default_const, desc):",
+         " *   bounds         prefix of its hk_policy_bounds_t fields (bounds_min, bounds_max)",
+         " *   max_any        the largest value it takes in any class",
+         " *   default_const  its default where that is one number, else -1 (by class) */",
+         "#ifndef HAKMEM_KNOBS_H", "#define HAKMEM_KNOBS_H", ""]
+    for macro, per_class in (("HK_CLASS_KNOBS", True), ("HK_PROC_KNOBS", False)):
+        items = [k for k in spec["knobs"] if k["per_class"] == per_class]
+        L.append("/* Per size class (uint32_t[HK_NUM_CLASSES] in hk_policy_t). */" if per_class
+                 else "/* Per process (uint32_t in hk_policy_t). */")
+        L.append(f"#define {macro}(X) \\")
+        for i, k in enumerate(items):
+            tail = " \\" if i + 1 < len(items) else ""
+            L.append(f"  X({k['name']}, {k['name'].upper()}, {k['bounds']}, {json.dumps(k['env'])}, "
+                     f"{json.dumps(k['unit'])}, {k['min']}u, {knob_max_any(k)}u, {knob_default_const(k)}, "
+                     f"{json.dumps(k['desc'])}){tail}")
+        L.append("")
+    L += ["#endif /* HAKMEM_KNOBS_H */", ""]
+    return "\n".join(L)
+
+
+def gen_knob_rules_h(spec, knobs):
+    L = [f"/* knobs.h — {BANNER}.",
+         " *",
+         " * Each knob's bounds and default (options.c), for a class whose blocks are",
+         " * `size` bytes in slabs of `slab` bytes (uint64_t, nonzero), in a policy p",
+         " * (const hk_policy_t*) being filled in knob order, class cls:",
+         " *   HK_KNOB_<NAME>_MIN                   least value",
+         " *   HK_KNOB_<NAME>_MAX(size, slab)       largest value in that class",
+         " *   HK_KNOB_<NAME>_AT_MOST(p, cls)       bound set by an earlier knob (UINT32_MAX: none)",
+         " *   HK_KNOB_<NAME>_DEFAULT(size, slab, p, cls)  default, before fitting into the above",
+         " * The rules are schemas/shm_layout.json's (knobs_about). */",
+         "#ifndef HK_KNOBS_H", "#define HK_KNOBS_H", "",
+         "#include <stdint.h>", "",
+         "#include \"hakmem.h\"", "",
+         "static inline uint32_t _hk_knob_clamp(uint64_t v, uint32_t lo, uint32_t hi) {",
+         "  return v < lo ? lo : v > hi ? hi : (uint32_t)v;",
+         "}", ""]
+    for k in spec["knobs"]:
+        N = f"HK_KNOB_{k['name'].upper()}"
+        if "at_most" in k:
+            ref = knob_access(knobs, k["at_most"])
+            at_most = f"({ref} > {k['min']}u ? {ref} : {k['min']}u)"
+        else:
+            at_most = "UINT32_MAX"
+        L += [f"/* {k['name']} ({k['unit']}): {k['desc']} */",
+              f"#define {N}_MIN {k['min']}u",
+              f"#define {N}_MAX(size, slab) {c_rule(knobs, k['max'])}",
+              f"#define {N}_AT_MOST(p, cls) {at_most}",
+              f"#define {N}_DEFAULT(size, slab, p, cls) {c_rule(knobs, k['default'])}", ""]
+    L += ["#endif /* HK_KNOBS_H */", ""]
+    return "\n".join(L)
+
+
 def gen_layout_h(spec, lay):
     L = [f"/* shm_layout.h — {BANNER}.",
          " *",
@@ -106,7 +258,8 @@ def gen_layout_h(spec, lay):
          f"#define HK_SHM_LAYOUT_VERSION {spec['layout_version']}u",
          f"#define HK_SHM_NUM_CLASSES    {spec['num_classes']}u",
          f"#define HK_SHM_RING_SLOTS     {spec['ring_slots']}u",
-         f"#define HK_SHM_HEADER_SIZE    {spec['header_size']}u", ""]
+         f"#define HK_SHM_HEADER_SIZE    {spec['header_size']}u",
+         f"#define HK_VERSION_STRING     {json.dumps(spec['hakmem_version'])}  /* the release (hakmem_version) */", ""]
     order = ["proc_counters", "class_counters", "record", "policy_slot", "policy_area", "header"]
     for name in order:
         s = lay[name]
@@ -147,19 +300,48 @@ def gen_layout_py(spec, lay):
                            "fields": [(f, t, c, o) for f, t, c, o, _ in s["fields"]]}
                     for name, s in lay.items()},
     }
+    knobs = [{"name": k["name"], "per_class": k["per_class"], "bounds": k["bounds"], "env": k["env"],
+              "unit": k["unit"], "desc": k["desc"], "min": k["min"], "max": k["max"],
+              "default": k["default"], "at_most": k.get("at_most")} for k in spec["knobs"]]
+    consts = []
+    for k in spec["knobs"]:
+        N = k["name"].upper()
+        consts.append(f"{N}_MIN = {k['min']}")
+        consts.append(f"{N}_MAX = {knob_max_any(k)}" +
+                      ("" if isinstance(k["max"], int) else "  # in the largest class; each class's own is in the header"))
+        if isinstance(k["default"], int):
+            consts.append(f"{N}_DEFAULT = {k['default']}")
+        elif isinstance(k["default"], dict):
+            consts.append(f"{N}_DEFAULT_MAX = {k['default']['hi']}  # the default rule's ceiling")
+    by_name = {k["name"]: k for k in spec["knobs"]}
+    # The names the Python side has always used for two of them.
+    consts.append(f"BATCH_MAX = {knob_max_any(by_name['tcache_batch'])}")
+    consts.append(f"BATCH_DEFAULT_MAX = {by_name['tcache_batch']['default']['hi']}")
     return (f'"""{BANNER}."""\n\n'
             "# struct -> size and fields as (name, type, count, offset); types are\n"
             "# u32, u64, char or the name of another struct.\n"
-            f"LAYOUT = {pprint.pformat(data, width=100, sort_dicts=True)}\n")
+            f"LAYOUT = {pprint.pformat(data, width=100, sort_dicts=True)}\n\n"
+            "# The release: libhakmem's header field and the Python package's version.\n"
+            f"VERSION = {json.dumps(spec['hakmem_version'])}\n\n"
+            "# The policy's knobs in slot order (schemas/shm_layout.json knobs_about says\n"
+            "# what min, max, default and at_most hold: a number, or a rule).\n"
+            f"KNOBS = {pprint.pformat(knobs, width=100, sort_dicts=False)}\n\n"
+            + "\n".join(consts) + "\n")
 
 
 def main():
     check = "--check" in sys.argv[1:]
     spec = json.loads(SRC.read_text())
+    knobs = check_knobs(spec)
+    width = next(c for f, _t, c, _d in spec["structs"]["header"] if f == "hakmem_version")
+    if len(spec["hakmem_version"].encode("ascii")) >= width:
+        sys.exit(f"gen_layout: hakmem_version is longer than the header's {width - 1} characters")
     lay = layout(spec)
     outputs = {
         ROOT / "allocator/include/hakmem_counters.h": gen_counters_h(spec),
+        ROOT / "allocator/include/hakmem_knobs.h": gen_knobs_h(spec),
         ROOT / "allocator/src/shm_layout.h": gen_layout_h(spec, lay),
+        ROOT / "allocator/src/knobs.h": gen_knob_rules_h(spec, knobs),
         ROOT / "learner/hakmem/_layout.py": gen_layout_py(spec, lay),
     }
     stale = []

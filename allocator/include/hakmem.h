@@ -60,7 +60,10 @@ HK_API size_t hk_class_size(unsigned cls);
  * (served by its own mapping). */
 HK_API unsigned hk_size_class(size_t size);
 
-/* ---- The runtime policy: the three knobs ----------------------------------
+/* ---- The runtime policy -----------------------------------------------------
+ * The knobs, HK_CLASS_KNOBS(X) (an array over the classes each) and
+ * HK_PROC_KNOBS(X) (one value each), are generated with their descriptions,
+ * units and bounds from schemas/shm_layout.json; today:
  * tcache_cap:   blocks a thread may cache per class; over it, a drain.
  * tcache_batch: blocks moved per refill or drain.
  * warm_slabs:   empty slabs a class keeps for reuse before returning them.
@@ -69,19 +72,25 @@ HK_API unsigned hk_size_class(size_t size);
  * Every value is validated against hk_policy_bounds(); hk_policy_set rejects
  * a policy with any value out of bounds as a whole.
  */
+#include "hakmem_knobs.h"
+
 typedef struct hk_policy_s {
   uint64_t version;                     /* set by hk_policy_set */
-  uint32_t tcache_cap[HK_NUM_CLASSES];
-  uint32_t tcache_batch[HK_NUM_CLASSES];
-  uint32_t warm_slabs[HK_NUM_CLASSES];
-  uint32_t drain_ms;
+#define HK_X_FIELD(name, NAME, bounds, env, unit, min, max, def, desc) uint32_t name[HK_NUM_CLASSES];
+  HK_CLASS_KNOBS(HK_X_FIELD)
+#undef HK_X_FIELD
+#define HK_X_FIELD(name, NAME, bounds, env, unit, min, max, def, desc) uint32_t name;
+  HK_PROC_KNOBS(HK_X_FIELD)
+#undef HK_X_FIELD
 } hk_policy_t;
 
+/* Per knob, <bounds>_min and <bounds>_max: cap, batch, warm, drain_ms.
+ * cap_max and warm_max depend on the class; batch <= cap as well. */
 typedef struct hk_policy_bounds_s {
-  uint32_t cap_min, cap_max;       /* per class; cap_max depends on size */
-  uint32_t batch_min, batch_max;   /* batch <= cap as well */
-  uint32_t warm_min, warm_max;
-  uint32_t drain_ms_min, drain_ms_max;
+#define HK_X_FIELD(name, NAME, bounds, env, unit, min, max, def, desc) uint32_t bounds##_min, bounds##_max;
+  HK_CLASS_KNOBS(HK_X_FIELD)
+  HK_PROC_KNOBS(HK_X_FIELD)
+#undef HK_X_FIELD
 } hk_policy_bounds_t;
 
 /* Copies the policy in force. */

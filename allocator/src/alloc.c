@@ -214,7 +214,7 @@ HK_NOINLINE void _hk_free_slow(void* p) {
 /* ---- aligned ------------------------------------------------------------------- */
 /* A class whose blocks all satisfy `align`: slabs start 64 KiB-aligned, so a
  * block size that is a multiple of align (<= 64 KiB) keeps every block
- * aligned; init.c tabulates the first such class at or above each class.
+ * aligned; classes.c tabulates the first such class at or above each class.
  * Returns 0 when the request must go to a huge mapping. */
 static unsigned aligned_class(size_t n, size_t align) {
   if (align > HK_PAGE_SIZE) return 0;

@@ -75,7 +75,7 @@
  */
 #define HK_SPARSE_BSS __attribute__((section(".lbss")))
 
-/* ---- globals (defined in init.c / segment.c / options.c) ------------------- */
+/* ---- globals (defined in thread.c / classes.c / segment.c / slab.c / options.c / init.c) */
 extern __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
 /* One byte per 4 MiB of the 47-bit address space (32 MiB of .bss: pages of
  * it that are never written are never committed). */
@@ -102,7 +102,7 @@ extern uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];   /* rows of 64: index by s
  * lookup, not two in a row: [k][(n + 15) >> 4] and [k][(n + 127) >> 7]. */
 extern uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1];
 extern uint8_t _hk_align_medium[HK_ALIGN_LEVELS][HK_MEDIUM_MAX / 128 + 1];
-void _hk_align_tables_build(void);   /* once, from the aligned slow path */
+void _hk_align_tables_build(void);   /* classes.c: once, from the aligned slow path */
 extern bool _hk_check_mode;                     /* HAKMEM_CHECK=1 */
 extern int  _hk_initialized;
 
@@ -135,7 +135,7 @@ HK_INLINE uint64_t _hk_bin_allocs(const hk_bin_t* bin) {
 }
 
 /* ---- lock ------------------------------------------------------------------- */
-void _hk_lock_slow(hk_lock_t* l);
+void _hk_lock_slow(hk_lock_t* l);   /* prim.c: spin, then yield the CPU */
 HK_INLINE void _hk_lock(hk_lock_t* l) {
   int expect = 0;
   if (HK_LIKELY(atomic_compare_exchange_weak_explicit(&l->v, &expect, 1,
@@ -199,7 +199,7 @@ bool   _hk_huge_trim(void);
 void   _hk_huge_lock(void);
 void   _hk_huge_unlock(void);
 void   _hk_huge_reinit_lock(void);
-/* options.c: options table and the live policy */
+/* options.c: options table and the live policy (knows nothing of telemetry) */
 void     _hk_options_init(void);
 bool     _hk_options_env_missing(void);
 void     _hk_policy_default(hk_policy_t* p);
@@ -214,18 +214,25 @@ void     _hk_options_print(int fd);
 const char* _hk_env_get(const char* name);             /* no allocation */
 bool     _hk_tel_enabled(void);
 uint32_t _hk_tel_epoch_ms(void);
-void     _hk_policy_publish_in_force(void);
-/* telemetry.c: the shared-memory file (slow path only) */
+/* Called under the policy lock with each policy installed, and at once with
+ * the one in force when registered (telemetry.c mirrors it); NULL: none. */
+typedef void (*hk_policy_observer_t)(const hk_policy_t* p);
+void     _hk_policy_observe(hk_policy_observer_t fn);
+/* telemetry.c: the shared-memory file (slow path only; uses options.c) */
 extern bool _hk_tel_on;
 void _hk_tel_start(void);
 void _hk_tel_tick(uint64_t now_coarse_ns);
 void _hk_tel_exit(const hk_stats_t* st);
 void _hk_tel_after_fork_child(void);
-void _hk_tel_write_in_force(const hk_policy_t* p);     /* policy lock held */
 /* The stats table's line: "telemetry: on, PATH" or "telemetry: off: why". */
 size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures);
-/* init.c */
+/* init.c: start-up, fork, exit */
 void        _hk_init(void);
+/* classes.c: size-class tables */
+void        _hk_classes_init(void);
+/* thread.c: the thread registry and thread caches */
+void        _hk_thread_init(void);
+void        _hk_thread_after_fork_child(void);
 hk_tcache_t* _hk_tcache_setup(void);                   /* first slow path */
 void        _hk_registry_lock(void);
 void        _hk_registry_unlock(void);

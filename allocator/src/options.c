@@ -3,18 +3,28 @@
  * Start-up values come from HAKMEM_* environment variables, read once at
  * initialization (never on the fast path); they seed the live policy, which
  * is what hk_policy_set and the learner's snapshots (telemetry.c) change at
- * run time.
+ * run time. The knobs, their bounds and defaults are generated from
+ * schemas/shm_layout.json (hakmem_knobs.h: the lists; knobs.h: the rules);
+ * this file applies them knob by knob, so a new knob needs no line here.
+ *
+ * DEPENDENCIES: options.c knows nothing of telemetry. telemetry.c depends on
+ * this file (it reads the options, installs snapshots with hk_policy_set and
+ * mirrors the policy in force): it registers an observer with
+ * _hk_policy_observe, which install() calls under policy_lock.
  *
  * SYNCHRONIZATION
- *  1. policy_lock guards `live`. The version word is published with release
- *     order after `live` is complete; a thread that sees a new version (on its
- *     slow path only) takes the lock to copy its caps, so it never reads a
- *     policy half-written.
+ *  1. policy_lock guards `live` and the observer. The version word is
+ *     published with release order after `live` is complete; a thread that
+ *     sees a new version (on its slow path only) takes the lock to copy its
+ *     caps, so it never reads a policy half-written.
+ *  2. The observer runs under policy_lock for each policy installed, in
+ *     order, so what it mirrors is never older than the policy in force.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
 
 #include "internal.h"
+#include "knobs.h"
 #include "prim.h"
 
 extern char** environ;
@@ -25,14 +35,16 @@ static bool opt_stats;
 static hk_lock_t policy_lock;
 static hk_policy_t live;
 static _Atomic uint64_t live_version;
+static hk_policy_observer_t observer;   /* telemetry.c's in_force mirror, or NULL */
 
 void _hk_policy_lock(void) { _hk_lock(&policy_lock); }
 void _hk_policy_unlock(void) { _hk_unlock(&policy_lock); }
 void _hk_policy_reinit_lock(void) { _hk_lock_reinit(&policy_lock); }
 
 /* ---- the options table ---------------------------------------------------
- * name (env var), default, bounds, unit. Per-class knobs given here apply to
- * every class, clamped to that class's own bound. -1 = "per-class default". */
+ * name (env var), default, bounds, unit. The knobs come first, one option
+ * each (hakmem_knobs.h); a per-class knob given here applies to every class,
+ * fitted into that class's own bounds. -1 = "per-class default". */
 typedef struct hk_option_s {
   const char* env;
   long long   value;      /* after parsing */
@@ -41,14 +53,17 @@ typedef struct hk_option_s {
   const char* desc;
 } hk_option_t;
 
-enum { OPT_TCACHE_CAP, OPT_TCACHE_BATCH, OPT_WARM_SLABS, OPT_DRAIN_MS, OPT_STATS, OPT_CHECK,
-       OPT_TELEMETRY, OPT_TELEMETRY_MS, OPT_COUNT };
+#define HK_X_OPT(name, NAME, bounds, env, unit, min, max, def, desc) OPT_##NAME,
+enum { HK_CLASS_KNOBS(HK_X_OPT) HK_PROC_KNOBS(HK_X_OPT)
+       OPT_STATS, OPT_CHECK, OPT_TELEMETRY, OPT_TELEMETRY_MS, OPT_COUNT };
+#undef HK_X_OPT
 
 static hk_option_t options[OPT_COUNT] = {
-  [OPT_TCACHE_CAP]   = {"HAKMEM_TCACHE_CAP",   -1, 0, 4096,    "blocks", "thread-cache capacity, every class (default: by size)"},
-  [OPT_TCACHE_BATCH] = {"HAKMEM_TCACHE_BATCH", -1, 1, 1024,    "blocks", "blocks per refill/drain, every class (default: cap/2)"},
-  [OPT_WARM_SLABS]   = {"HAKMEM_WARM_SLABS",   -1, 0, 1024,    "slabs",  "empty slabs kept per class (default: 1 MiB worth)"},
-  [OPT_DRAIN_MS]     = {"HAKMEM_DRAIN_MS",   1000, 0, 3600000, "ms",     "idle thread-cache drain interval, 0 = never"},
+#define HK_X_OPT(name, NAME, bounds, env, unit, min, max, def, desc) \
+  [OPT_##NAME] = {env, def, min, max, unit, desc},
+  HK_CLASS_KNOBS(HK_X_OPT)
+  HK_PROC_KNOBS(HK_X_OPT)
+#undef HK_X_OPT
   [OPT_STATS]        = {"HAKMEM_STATS",         0, 0, 1,       "bool",   "print the per-class table at exit"},
   [OPT_CHECK]        = {"HAKMEM_CHECK",         0, 0, 1,       "bool",   "stricter checks: no thread cache, exact double-free detection, freed-block canaries"},
   [OPT_TELEMETRY]    = {"HAKMEM_TELEMETRY",     1, 0, 1,       "bool",   "publish counters to HAKMEM_SHM_DIR while a reader holds its lease"},
@@ -113,65 +128,89 @@ bool _hk_stats_at_exit(void) { return opt_stats; }
 bool _hk_tel_enabled(void) { return options[OPT_TELEMETRY].value != 0; }
 uint32_t _hk_tel_epoch_ms(void) { return (uint32_t)options[OPT_TELEMETRY_MS].value; }
 
-/* ---- per-class bounds and defaults ---------------------------------------- */
+/* ---- per-class bounds and defaults ----------------------------------------
+ * Each knob's rules are knobs.h's, for the class's block and slab size
+ * (class 0, which has neither, gets the bounds of 16-byte blocks in one page). */
 static uint32_t clamp_u32(uint64_t v, uint32_t lo, uint32_t hi) {
   return v < lo ? lo : v > hi ? hi : (uint32_t)v;
 }
 
-static void bounds_of(unsigned cls, hk_policy_bounds_t* b) {
-  uint64_t size = cls ? _hk_class[cls].size : 16;
-  uint64_t slab = cls ? ((uint64_t)_hk_class[cls].slab_pages << HK_PAGE_SHIFT) : HK_PAGE_SIZE;
-  b->cap_min = 0;
-  b->cap_max = clamp_u32(((uint64_t)8 << 20) / size, 1, 4096);
-  b->batch_min = 1;
-  b->batch_max = 1024;
-  b->warm_min = 0;
-  b->warm_max = clamp_u32(((uint64_t)64 << 20) / slab, 1, 1024);
-  b->drain_ms_min = 0;
-  b->drain_ms_max = 3600000;
+static uint64_t size_of(unsigned cls) { return cls ? _hk_class[cls].size : 16; }
+static uint64_t slab_of(unsigned cls) {
+  return cls ? ((uint64_t)_hk_class[cls].slab_pages << HK_PAGE_SHIFT) : HK_PAGE_SIZE;
 }
+
+static void bounds_of(unsigned cls, hk_policy_bounds_t* b) {
+  uint64_t size = size_of(cls), slab = slab_of(cls);
+  (void)size, (void)slab;
+#define HK_X_BOUNDS(name, NAME, bounds, env, unit, min, max, def, desc) \
+  b->bounds##_min = HK_KNOB_##NAME##_MIN;                            \
+  b->bounds##_max = HK_KNOB_##NAME##_MAX(size, slab);
+  HK_CLASS_KNOBS(HK_X_BOUNDS)
+  HK_PROC_KNOBS(HK_X_BOUNDS)
+#undef HK_X_BOUNDS
+}
+
+/* A knob's value: its default, or the option's value where one was given,
+ * fitted into the class's bounds and what earlier knobs allow (the batch
+ * no larger than the capacity). p holds the knobs before it. */
+static uint32_t knob_fit(uint64_t v, uint32_t min, uint32_t max, uint32_t at_most) {
+  return clamp_u32(v, min, max < at_most ? max : at_most);
+}
+#define HK_KNOB_VALUE(NAME, size, slab, p, cls) \
+  knob_fit(options[OPT_##NAME].value >= 0 ? (uint64_t)options[OPT_##NAME].value \
+                                          : HK_KNOB_##NAME##_DEFAULT(size, slab, p, cls), \
+           HK_KNOB_##NAME##_MIN, HK_KNOB_##NAME##_MAX(size, slab), HK_KNOB_##NAME##_AT_MOST(p, cls))
 
 void _hk_policy_default(hk_policy_t* p) {
   memset(p, 0, sizeof *p);
+  /* Small classes cache up to 64 KiB, medium ones up to 1 MiB (at most 256
+   * blocks), deep enough that churn of 8..32 KiB objects rarely reaches the
+   * class lock. Classes a thread stops using drain after one drain
+   * interval, so only classes in use keep memory parked; warm pools nobody
+   * draws from shrink by half every interval (slab.c:_hk_warm_decay). */
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-    hk_policy_bounds_t b;
-    bounds_of(cls, &b);
-    uint64_t size = _hk_class[cls].size;
-    uint64_t slab = (uint64_t)_hk_class[cls].slab_pages << HK_PAGE_SHIFT;
-    /* Small classes: up to 64 KiB cached per class; medium: up to 1 MiB (at
-     * most 256 blocks), deep enough that churn of 8..32 KiB objects rarely
-     * reaches the class lock. Classes a thread stops using drain after one
-     * drain interval, so only classes in use keep memory parked. */
-    uint32_t cap = size <= HK_SMALL_MAX ? clamp_u32((64u << 10) / size, 16, 1024)
-                                        : clamp_u32((1024u << 10) / size, 1, 256);
-    if (options[OPT_TCACHE_CAP].value >= 0)
-      cap = clamp_u32((uint64_t)options[OPT_TCACHE_CAP].value, 0, b.cap_max);
-    uint32_t batch = cap / 2 ? cap / 2 : 1;
-    if (batch > 256) batch = 256;
-    if (options[OPT_TCACHE_BATCH].value >= 0)
-      batch = clamp_u32((uint64_t)options[OPT_TCACHE_BATCH].value, 1, cap ? cap : 1);
-    /* 1 MiB of empty slabs per class; pools nobody draws from shrink by
-     * half every drain interval (slab.c:_hk_warm_decay). */
-    uint32_t warm = clamp_u32((1024u << 10) / slab, 1, b.warm_max);
-    if (options[OPT_WARM_SLABS].value >= 0)
-      warm = clamp_u32((uint64_t)options[OPT_WARM_SLABS].value, 0, b.warm_max);
-    p->tcache_cap[cls] = cap;
-    p->tcache_batch[cls] = batch;
-    p->warm_slabs[cls] = warm;
+    uint64_t size = size_of(cls), slab = slab_of(cls);
+    (void)size, (void)slab;
+#define HK_X_DEFAULT(name, NAME, bounds, env, unit, min, max, def, desc) \
+    p->name[cls] = HK_KNOB_VALUE(NAME, size, slab, p, cls);
+    HK_CLASS_KNOBS(HK_X_DEFAULT)
+#undef HK_X_DEFAULT
   }
-  p->drain_ms = (uint32_t)options[OPT_DRAIN_MS].value;
+  const unsigned cls = 0;
+  const uint64_t size = 16, slab = HK_PAGE_SIZE;
+  (void)cls, (void)size, (void)slab;
+#define HK_X_DEFAULT(name, NAME, bounds, env, unit, min, max, def, desc) \
+  p->name = HK_KNOB_VALUE(NAME, size, slab, p, cls);
+  HK_PROC_KNOBS(HK_X_DEFAULT)
+#undef HK_X_DEFAULT
 }
 
+static bool knob_ok(uint32_t v, uint32_t min, uint32_t max, uint32_t at_most) {
+  return v >= min && v <= max && v <= at_most;
+}
+
+/* Whether every value is within its bounds (knobs.h); class 0 is not looked at. */
 static bool policy_valid(const hk_policy_t* p) {
-  if (p->drain_ms > 3600000) return false;
-  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-    hk_policy_bounds_t b;
-    bounds_of(cls, &b);
-    uint32_t cap = p->tcache_cap[cls], batch = p->tcache_batch[cls], warm = p->warm_slabs[cls];
-    if (cap < b.cap_min || cap > b.cap_max) return false;
-    if (batch < b.batch_min || batch > b.batch_max || batch > (cap ? cap : 1)) return false;
-    if (warm < b.warm_min || warm > b.warm_max) return false;
+#define HK_X_VALID(name, NAME, bounds, env, unit, min, max, def, desc) \
+  if (!knob_ok(p->name, HK_KNOB_##NAME##_MIN, HK_KNOB_##NAME##_MAX(size, slab), \
+               HK_KNOB_##NAME##_AT_MOST(p, cls))) return false;
+  {
+    const unsigned cls = 0;
+    const uint64_t size = 16, slab = HK_PAGE_SIZE;
+    (void)cls, (void)size, (void)slab;
+    HK_PROC_KNOBS(HK_X_VALID)
   }
+#undef HK_X_VALID
+#define HK_X_VALID(name, NAME, bounds, env, unit, min, max, def, desc) \
+  if (!knob_ok(p->name[cls], HK_KNOB_##NAME##_MIN, HK_KNOB_##NAME##_MAX(size, slab), \
+               HK_KNOB_##NAME##_AT_MOST(p, cls))) return false;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    uint64_t size = size_of(cls), slab = slab_of(cls);
+    (void)size, (void)slab;
+    HK_CLASS_KNOBS(HK_X_VALID)
+  }
+#undef HK_X_VALID
   return true;
 }
 
@@ -182,13 +221,13 @@ static void install(const hk_policy_t* p) {
   uint64_t v = hk_load_relaxed(&live_version) + 1;
   live.version = v;
   hk_store_release(&live_version, v);
-  _hk_tel_write_in_force(&live);
+  if (observer) observer(&live);
 }
 
-/* Writes the policy in force into a telemetry file just created. */
-void _hk_policy_publish_in_force(void) {
+void _hk_policy_observe(hk_policy_observer_t fn) {
   _hk_lock(&policy_lock);
-  _hk_tel_write_in_force(&live);
+  observer = fn;
+  if (fn) fn(&live);
   _hk_unlock(&policy_lock);
 }
 

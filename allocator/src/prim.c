@@ -1,9 +1,16 @@
-/* prim.c — OS calls (see prim.h for the convention). */
+/* prim.c — OS calls (see prim.h for the convention): mappings, clocks,
+ * the process's identity, the telemetry directory's files, and the wait of
+ * a contended lock. No other file includes a system header for a call. */
 #define _GNU_SOURCE
 #include "prim.h"
 
+#include <elf.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <link.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/auxv.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -222,3 +229,93 @@ int _hk_os_reserve_file(int fd, size_t len) {
 void _hk_os_close(int fd) { if (fd >= 0) close(fd); }
 
 uint32_t _hk_os_euid(void) { return (uint32_t)geteuid(); }
+
+/* ---- the process --------------------------------------------------------------- */
+uint32_t _hk_os_pid(void) { return (uint32_t)getpid(); }
+uint32_t _hk_os_uid(void) { return (uint32_t)getuid(); }
+
+uint64_t _hk_os_wall_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+bool _hk_os_thread_gone(uint32_t tid) {
+  return syscall(SYS_tgkill, (pid_t)getpid(), (pid_t)tid, 0) != 0 && errno == ESRCH;
+}
+
+int _hk_os_dup_cloexec(int fd, int at_least) {
+  return fcntl(fd, F_DUPFD_CLOEXEC, at_least);
+}
+
+void _hk_os_exe_path(char* out, size_t cap) {
+  ssize_t n = readlink("/proc/self/exe", out, cap - 1);
+  out[n > 0 ? n : 0] = 0;
+}
+
+/* Field 22 of /proc/self/stat, after the parenthesized command name. */
+uint64_t _hk_os_start_time(void) {
+  char buf[1024];
+  int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  char* p = strrchr(buf, ')');
+  if (!p) return 0;
+  /* p+2 is field 3; skip to field 22 */
+  p += 2;
+  for (int field = 3; field < 22 && *p; p++)
+    if (*p == ' ') field++;
+  uint64_t v = 0;
+  while (*p >= '0' && *p <= '9') v = v * 10 + (uint64_t)(*p++ - '0');
+  return v;
+}
+
+/* The GNU build id of the main executable, from its program headers. */
+void _hk_os_build_id(char* out, size_t cap) {
+  out[0] = 0;
+  const ElfW(Phdr)* ph = (const ElfW(Phdr)*)getauxval(AT_PHDR);
+  size_t n = getauxval(AT_PHNUM);
+  if (!ph || !n) return;
+  uintptr_t bias = 0;
+  for (size_t i = 0; i < n; i++)
+    if (ph[i].p_type == PT_PHDR) bias = (uintptr_t)ph - ph[i].p_vaddr;
+  for (size_t i = 0; i < n; i++) {
+    if (ph[i].p_type != PT_NOTE) continue;
+    const uint8_t* p = (const uint8_t*)(bias + ph[i].p_vaddr);
+    const uint8_t* end = p + ph[i].p_memsz;
+    while (p + sizeof(ElfW(Nhdr)) <= end) {
+      const ElfW(Nhdr)* nh = (const ElfW(Nhdr)*)p;
+      const uint8_t* name = p + sizeof *nh;
+      const uint8_t* desc = name + ((nh->n_namesz + 3) & ~3u);
+      if (nh->n_type == NT_GNU_BUILD_ID && nh->n_namesz == 4 && memcmp(name, "GNU", 4) == 0 &&
+          desc + nh->n_descsz <= end) {
+        static const char hex[] = "0123456789abcdef";
+        size_t k = 0;
+        for (size_t j = 0; j < nh->n_descsz && k + 2 < cap; j++) {
+          out[k++] = hex[desc[j] >> 4];
+          out[k++] = hex[desc[j] & 15];
+        }
+        out[k] = 0;
+        return;
+      }
+      p = desc + ((nh->n_descsz + 3) & ~3u);
+    }
+  }
+}
+
+
+/* ---- locks ------------------------------------------------------------------------ */
+void _hk_lock_slow(hk_lock_t* l) {
+  for (unsigned spins = 0;; spins++) {
+    if (hk_load_relaxed(&l->v) == 0) {
+      int expect = 0;
+      if (atomic_compare_exchange_weak_explicit(&l->v, &expect, 1,
+            memory_order_acquire, memory_order_relaxed)) return;
+    }
+    if (spins < 64) __builtin_ia32_pause();
+    else sched_yield();
+  }
+}

@@ -1,7 +1,8 @@
 /* prim.h — every OS call the allocator makes, behind one small interface.
  *
- * Convention: functions return 0 on success or an errno value; addresses and
- * lengths are multiples of the OS page size. Each call is counted in the
+ * Convention: a call that can fail returns 0 on success or an errno value;
+ * a query returns its answer. Addresses and lengths are multiples of the OS
+ * page size. No other file calls the OS (or reads the CPU's clock) itself. Each call is counted in the
  * process counters (mmap_calls, munmap_calls, madvise_calls), so the cost
  * the allocator imposes on the kernel is visible. None of these allocate.
  */
@@ -74,5 +75,28 @@ uint64_t _hk_os_now_coarse_ns(void);
 uint32_t _hk_os_tid(void);
 /* Writes all of buf to fd, retrying short writes; never allocates. */
 void _hk_os_write(int fd, const char* buf, size_t len);
+/* The CPU's time-stamp counter: slow-path time is kept in these ticks and
+ * converted to ns over the process's life (stats.c), so the slow paths
+ * read no clock. Inline: one instruction. */
+static inline uint64_t _hk_os_ticks(void) { return __builtin_ia32_rdtsc(); }
+
+/* ---- the process (telemetry.c's header, thread.c's registry, init.c) */
+uint32_t _hk_os_pid(void);
+uint32_t _hk_os_uid(void);                 /* real user id */
+/* CLOCK_REALTIME in nanoseconds. */
+uint64_t _hk_os_wall_ns(void);
+/* Whether the thread tid of this process no longer exists (tgkill with
+ * signal 0 says ESRCH); false when it exists or the answer is unknown. */
+bool _hk_os_thread_gone(uint32_t tid);
+/* A close-on-exec duplicate of fd numbered at least at_least, or -1. */
+int _hk_os_dup_cloexec(int fd, int at_least);
+/* The executable's path (/proc/self/exe), NUL-terminated; empty if unknown. */
+void _hk_os_exe_path(char* out, size_t cap);
+/* The main executable's GNU build id in hex, from its program headers
+ * (no file read); empty if it has none. */
+void _hk_os_build_id(char* out, size_t cap);
+/* This process's start time in clock ticks since boot (field 22 of
+ * /proc/self/stat, the name of its telemetry file); 0 if unknown. */
+uint64_t _hk_os_start_time(void);
 
 #endif /* HK_PRIM_H */

@@ -22,8 +22,6 @@ _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES];
 #define CHECK_FILL 0xdb
 #define CHECK_SPAN 4096u   /* bytes of a freed block filled/verified */
 
-static inline uint64_t ticks(void) { return __builtin_ia32_rdtsc(); }
-
 /* ---- list helpers ---------------------------------------------------------- */
 static void slab_push(hk_slab_t** list, hk_slab_t* s) {
   s->prev = NULL;
@@ -222,7 +220,7 @@ static HK_NOINLINE uint32_t take_after_trim(hk_central_t* c, unsigned cls, uint3
 void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   hk_central_t* c = &_hk_central[cls];
-  uint64_t t0 = ticks();
+  uint64_t t0 = _hk_os_ticks();
   void* head;
   uint32_t want = bin->fill;
   if (want == 0 || want > bin->batch) want = bin->batch < 4 ? bin->batch : 4;
@@ -234,7 +232,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, want, &head, tc->tid);
   hk_add_relaxed(&c->c.refills, 1);
   hk_add_relaxed(&c->c.refill_blocks, got);
-  hk_add_relaxed(&c->c.slow_ns, ticks() - t0);   /* ticks; stats.c converts */
+  hk_add_relaxed(&c->c.slow_ns, _hk_os_ticks() - t0);   /* ticks; stats.c converts */
   if (HK_UNLIKELY(got == 0)) return NULL;
   void* p = head;
   bin->head = *(void**)p;
@@ -249,7 +247,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   hk_central_t* c = &_hk_central[cls];
   if (n > bin->count) n = bin->count;
   if (n == 0) return;
-  uint64_t t0 = ticks();
+  uint64_t t0 = _hk_os_ticks();
   hk_slab_t* release = NULL;
   void* b = bin->head;
   _hk_lock(&c->lock);
@@ -266,7 +264,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, n);
   release_all(release);
-  hk_add_relaxed(&c->c.slow_ns, ticks() - t0);
+  hk_add_relaxed(&c->c.slow_ns, _hk_os_ticks() - t0);
 }
 
 void _hk_flush_thread(hk_tcache_t* tc) {

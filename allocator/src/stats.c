@@ -23,12 +23,12 @@
 static uint64_t tsc0 __attribute__((section(".data"))), ns0 __attribute__((section(".data")));
 
 void _hk_stats_clock_start(void) {
-  tsc0 = __builtin_ia32_rdtsc();
+  tsc0 = _hk_os_ticks();
   ns0 = _hk_os_now_ns();
 }
 
 static uint64_t ticks_to_ns(uint64_t t) {
-  uint64_t dt = __builtin_ia32_rdtsc() - tsc0, dn = _hk_os_now_ns() - ns0;
+  uint64_t dt = _hk_os_ticks() - tsc0, dn = _hk_os_now_ns() - ns0;
   if (dt == 0 || dn < 1000000) return t / 3;   /* ~3 GHz until measured */
   return (uint64_t)((double)t * (double)dn / (double)dt);
 }

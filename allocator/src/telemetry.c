@@ -1,5 +1,10 @@
 /* telemetry.c — the shared-memory file: counters out, policy snapshots in.
  *
+ * DEPENDENCIES: this file uses options.c (the HAKMEM_TELEMETRY* options,
+ * hk_policy_set/bounds, and _hk_policy_observe to mirror the policy in
+ * force); options.c never calls back here by name. Every OS call goes
+ * through prim.h.
+ *
  * When the telemetry directory exists (HAKMEM_SHM_DIR, default
  * /dev/shm/hakmem; HAKMEM_TELEMETRY=0 turns this off) and a reader holds
  * its lease, the process maps one file <dir>/<pid>-<starttime>, laid out as
@@ -38,8 +43,9 @@
  *     word means the copy may be torn, so it is examined again later. A copy
  *     whose slot version, checksum or bounds are wrong is rejected whole and
  *     counted; the policy in force stays.
- *  4. in_force is written under the policy lock (options.c), checksum last;
- *     readers retry on a checksum mismatch.
+ *  4. in_force is written by write_in_force, the policy observer, which
+ *     options.c calls under the policy lock for every policy installed;
+ *     checksum last, and readers retry on a checksum mismatch.
  *  5. The file is made on a tick (under tel.lock): the first try one epoch
  *     after start (see _hk_tel_start), then, while it cannot be made (no
  *     directory, no lease, a failure), again after 1 s, 2 s, ... 16 s, so a
@@ -52,21 +58,13 @@
  *     that ends early (with _exit, which runs no destructor) leaves nothing.
  */
 #define _GNU_SOURCE
-#include <elf.h>
-#include <fcntl.h>
-#include <link.h>
-#include <sys/auxv.h>
 #include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "internal.h"
 #include "prim.h"
 #include "shm_layout.h"
 
 _Static_assert(HK_SHM_NUM_CLASSES == HK_NUM_CLASSES, "layout and allocator agree on classes");
-
-#define HK_VERSION_STRING "0.2.0"
 
 enum { TEL_OFF = 0, TEL_ON = 1, TEL_PENDING = 2 };
 enum { REJ_NONE = 0, REJ_SLOT_VERSION = 1, REJ_CHECKSUM = 2, REJ_BOUNDS = 3 };
@@ -126,30 +124,57 @@ static uint64_t slot_checksum(const hk_shm_policy_slot_t* s) {
   uint64_t h = 0xcbf29ce484222325ull;
   uint64_t v = s->version;
   for (int i = 0; i < 8; i++) { h ^= (uint8_t)(v >> (8 * i)); h *= 0x100000001b3ull; }
-  const uint8_t* p = (const uint8_t*)&s->drain_ms;
+  const uint8_t* p = (const uint8_t*)s + offsetof(hk_shm_policy_slot_t, checksum) + sizeof s->checksum;
   const uint8_t* end = (const uint8_t*)(s + 1);
   for (; p < end; p++) { h ^= *p; h *= 0x100000001b3ull; }
   return h;
 }
 
-void _hk_tel_write_in_force(const hk_policy_t* p) {   /* policy lock held */
+/* The knobs between hk_policy_t and a policy slot, field by field from the
+ * one list (hakmem_knobs.h); class 0 stays 0 in both directions. */
+#define HK_X_PROC_COPY(name, NAME, bounds, env, unit, min, max, def, desc) dst->name = src->name;
+#define HK_X_CLASS_COPY(name, NAME, bounds, env, unit, min, max, def, desc) dst->name[c] = src->name[c];
+#define HK_X_SAME(name, NAME, bounds, env, unit, min, max, def, desc) \
+  _Static_assert(sizeof(((hk_policy_t*)0)->name) == sizeof(((hk_shm_policy_slot_t*)0)->name), #name);
+HK_CLASS_KNOBS(HK_X_SAME)
+HK_PROC_KNOBS(HK_X_SAME)
+#undef HK_X_SAME
+
+static void slot_from_policy(hk_shm_policy_slot_t* dst, const hk_policy_t* src) {
+  memset(dst, 0, sizeof *dst);
+  dst->version = src->version;
+  HK_PROC_KNOBS(HK_X_PROC_COPY)
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) { HK_CLASS_KNOBS(HK_X_CLASS_COPY) }
+}
+
+static void policy_from_slot(hk_policy_t* dst, const hk_shm_policy_slot_t* src) {
+  memset(dst, 0, sizeof *dst);
+  HK_PROC_KNOBS(HK_X_PROC_COPY)
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) { HK_CLASS_KNOBS(HK_X_CLASS_COPY) }
+}
+#undef HK_X_PROC_COPY
+#undef HK_X_CLASS_COPY
+
+/* Whether any class-0 entry of a slot is set (they must all be 0). */
+static bool slot_class0_set(const hk_shm_policy_slot_t* s) {
+#define HK_X_CLASS0(name, NAME, bounds, env, unit, min, max, def, desc) || s->name[0] != 0
+  return false HK_CLASS_KNOBS(HK_X_CLASS0);
+#undef HK_X_CLASS0
+}
+
+/* The policy observer (options.c, under the policy lock): mirrors each
+ * policy installed into in_force (point 4). */
+static void write_in_force(const hk_policy_t* p) {
   if (!tel.pol) return;
   hk_shm_policy_slot_t s;
-  memset(&s, 0, sizeof s);
-  s.version = p->version;
-  s.drain_ms = p->drain_ms;
-  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
-    s.tcache_cap[c] = p->tcache_cap[c];
-    s.tcache_batch[c] = p->tcache_batch[c];
-    s.warm_slabs[c] = p->warm_slabs[c];
-  }
+  slot_from_policy(&s, p);
   s.checksum = slot_checksum(&s);
   volatile hk_shm_policy_slot_t* dst = &tel.pol->in_force;
+  const size_t body = offsetof(hk_shm_policy_slot_t, checksum) + sizeof s.checksum;
   dst->checksum = 0;   /* readers see a mismatch until the copy is whole */
   atomic_thread_fence(memory_order_release);
   memcpy((void*)&dst->version, &s.version, sizeof s.version);
-  memcpy((char*)dst + offsetof(hk_shm_policy_slot_t, drain_ms), (char*)&s + offsetof(hk_shm_policy_slot_t, drain_ms),
-         sizeof s - offsetof(hk_shm_policy_slot_t, drain_ms));
+  memcpy((char*)dst + body, (char*)&s + body, sizeof s - body);
   atomic_thread_fence(memory_order_release);
   dst->checksum = s.checksum;
 }
@@ -165,18 +190,12 @@ static void reject(unsigned why, bool counted) {
 static bool apply_snapshot(const hk_shm_policy_slot_t* s, uint64_t v) {
   if (s->version != v) { reject(REJ_SLOT_VERSION, false); return false; }
   if (slot_checksum(s) != s->checksum) { reject(REJ_CHECKSUM, false); return false; }
-  if (s->flags != 0 || s->tcache_cap[0] != 0 || s->tcache_batch[0] != 0 || s->warm_slabs[0] != 0) {
+  if (s->flags != 0 || slot_class0_set(s)) {
     reject(REJ_BOUNDS, false);
     return false;
   }
   hk_policy_t p;
-  memset(&p, 0, sizeof p);
-  p.drain_ms = s->drain_ms;
-  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
-    p.tcache_cap[c] = s->tcache_cap[c];
-    p.tcache_batch[c] = s->tcache_batch[c];
-    p.warm_slabs[c] = s->warm_slabs[c];
-  }
+  policy_from_slot(&p, s);
   /* hk_policy_set validates every value and counts its own rejections. */
   if (hk_policy_set(&p) == 0) { reject(REJ_BOUNDS, true); return false; }
   tel.hdr->reject_reason = REJ_NONE;
@@ -236,69 +255,14 @@ static void write_record(const hk_stats_t* st, uint64_t now_ns) {   /* tel.lock 
 }
 
 /* ---- creating the file --------------------------------------------------------- */
-/* Field 22 of /proc/self/stat, after the parenthesized command name. */
-static uint64_t read_start_time(void) {
-  char buf[1024];
-  int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
-  ssize_t n = read(fd, buf, sizeof buf - 1);
-  close(fd);
-  if (n <= 0) return 0;
-  buf[n] = 0;
-  char* p = strrchr(buf, ')');
-  if (!p) return 0;
-  /* p+2 is field 3; skip to field 22 */
-  p += 2;
-  for (int field = 3; field < 22 && *p; p++)
-    if (*p == ' ') field++;
-  uint64_t v = 0;
-  while (*p >= '0' && *p <= '9') v = v * 10 + (uint64_t)(*p++ - '0');
-  return v;
-}
-
-/* The GNU build id of the main executable, from its program headers. */
-static void read_build_id(char* out, size_t cap) {
-  out[0] = 0;
-  const ElfW(Phdr)* ph = (const ElfW(Phdr)*)getauxval(AT_PHDR);
-  size_t n = getauxval(AT_PHNUM);
-  if (!ph || !n) return;
-  uintptr_t bias = 0;
-  for (size_t i = 0; i < n; i++)
-    if (ph[i].p_type == PT_PHDR) bias = (uintptr_t)ph - ph[i].p_vaddr;
-  for (size_t i = 0; i < n; i++) {
-    if (ph[i].p_type != PT_NOTE) continue;
-    const uint8_t* p = (const uint8_t*)(bias + ph[i].p_vaddr);
-    const uint8_t* end = p + ph[i].p_memsz;
-    while (p + sizeof(ElfW(Nhdr)) <= end) {
-      const ElfW(Nhdr)* nh = (const ElfW(Nhdr)*)p;
-      const uint8_t* name = p + sizeof *nh;
-      const uint8_t* desc = name + ((nh->n_namesz + 3) & ~3u);
-      if (nh->n_type == NT_GNU_BUILD_ID && nh->n_namesz == 4 && memcmp(name, "GNU", 4) == 0 &&
-          desc + nh->n_descsz <= end) {
-        static const char hex[] = "0123456789abcdef";
-        size_t k = 0;
-        for (size_t j = 0; j < nh->n_descsz && k + 2 < cap; j++) {
-          out[k++] = hex[desc[j] >> 4];
-          out[k++] = hex[desc[j] & 15];
-        }
-        out[k] = 0;
-        return;
-      }
-      p = desc + ((nh->n_descsz + 3) & ~3u);
-    }
-  }
-}
-
 static void fill_header(hk_shm_header_t* h, uint32_t pid, uint64_t start_time) {
   h->layout_version = HK_SHM_LAYOUT_VERSION;
   h->header_size = HK_SHM_HEADER_SIZE;
   h->file_size = tel.len;
   h->pid = pid;
-  h->uid = (uint32_t)getuid();
+  h->uid = _hk_os_uid();
   h->start_time = start_time;
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  h->created_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+  h->created_ns = _hk_os_wall_ns();
   h->ring_offset = HK_SHM_HEADER_SIZE;
   h->ring_slots = HK_SHM_RING_SLOTS;
   h->record_size = sizeof(hk_shm_record_t);
@@ -316,9 +280,8 @@ static void fill_header(hk_shm_header_t* h, uint32_t pid, uint64_t start_time) {
     h->cap_max[c] = b.cap_max;
     h->warm_max[c] = b.warm_max;
   }
-  ssize_t n = readlink("/proc/self/exe", h->exe, sizeof h->exe - 1);
-  h->exe[n > 0 ? n : 0] = 0;
-  read_build_id(h->build_id, sizeof h->build_id);
+  _hk_os_exe_path(h->exe, sizeof h->exe);
+  _hk_os_build_id(h->build_id, sizeof h->build_id);
   memcpy(h->hakmem_version, HK_VERSION_STRING, sizeof HK_VERSION_STRING);
 }
 
@@ -390,8 +353,8 @@ static bool create_file(void) {
     ok = true;
   if (!ok) { _hk_os_close(dfd); return false; }
 
-  uint32_t pid = (uint32_t)getpid();
-  uint64_t start_time = read_start_time();
+  uint32_t pid = _hk_os_pid();
+  uint64_t start_time = _hk_os_start_time();
   _hk_fmt(tel.name, sizeof tel.name, "%lu-%lu", (uint64_t)pid, start_time);
   _hk_fmt(tel.path, sizeof tel.path, "%s/%s", tel.dir, tel.name);
   int fd;
@@ -429,7 +392,7 @@ static bool create_file(void) {
                                     (size_t)HK_SHM_RING_SLOTS * sizeof(hk_shm_record_t));
   tel.last_seen = 0;
   fill_header(tel.hdr, pid, start_time);
-  _hk_policy_publish_in_force();
+  _hk_policy_observe(write_in_force);
   hk_store_release((_Atomic uint64_t*)&tel.hdr->magic, HK_SHM_MAGIC);
   set_why(WHY_ON, 0);
   return true;

@@ -121,3 +121,67 @@ LAYOUT = {'class_counters': ['allocs',
                                    ('proc', 'proc_counters', 1, 24),
                                    ('cls', 'class_counters', 61, 112)],
                         'size': 8408}}}
+
+# The release: libhakmem's header field and the Python package's version.
+VERSION = "0.2.0"
+
+# The policy's knobs in slot order (schemas/shm_layout.json knobs_about says
+# what min, max, default and at_most hold: a number, or a rule).
+KNOBS = [{'name': 'tcache_cap',
+  'per_class': True,
+  'bounds': 'cap',
+  'env': 'HAKMEM_TCACHE_CAP',
+  'unit': 'blocks',
+  'desc': 'blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 '
+          'KiB blocks, 1 MiB worth above)',
+  'min': 0,
+  'max': {'worth': 8388608, 'per': 'block', 'lo': 1, 'hi': 4096},
+  'default': [{'size_max': 1024, 'worth': 65536, 'per': 'block', 'lo': 16, 'hi': 1024},
+              {'worth': 1048576, 'per': 'block', 'lo': 1, 'hi': 256}],
+  'at_most': None},
+ {'name': 'tcache_batch',
+  'per_class': True,
+  'bounds': 'batch',
+  'env': 'HAKMEM_TCACHE_BATCH',
+  'unit': 'blocks',
+  'desc': 'blocks moved per refill or drain (default: cap/2, at most 256)',
+  'min': 1,
+  'max': 1024,
+  'default': {'of': 'tcache_cap', 'div': 2, 'lo': 1, 'hi': 256},
+  'at_most': 'tcache_cap'},
+ {'name': 'warm_slabs',
+  'per_class': True,
+  'bounds': 'warm',
+  'env': 'HAKMEM_WARM_SLABS',
+  'unit': 'slabs',
+  'desc': 'empty slabs a class keeps for reuse before returning them to the OS (default: 1 MiB '
+          'worth)',
+  'min': 0,
+  'max': {'worth': 67108864, 'per': 'slab', 'lo': 1, 'hi': 1024},
+  'default': {'worth': 1048576, 'per': 'slab', 'lo': 1, 'hi': 1024},
+  'at_most': None},
+ {'name': 'drain_ms',
+  'per_class': False,
+  'bounds': 'drain_ms',
+  'env': 'HAKMEM_DRAIN_MS',
+  'unit': 'ms',
+  'desc': 'idle drain interval: classes a thread did not use for this long return their cached '
+          'blocks, warm pools nobody drew from shrink by half (0 = never)',
+  'min': 0,
+  'max': 3600000,
+  'default': 1000,
+  'at_most': None}]
+
+TCACHE_CAP_MIN = 0
+TCACHE_CAP_MAX = 4096  # in the largest class; each class's own is in the header
+TCACHE_BATCH_MIN = 1
+TCACHE_BATCH_MAX = 1024
+TCACHE_BATCH_DEFAULT_MAX = 256  # the default rule's ceiling
+WARM_SLABS_MIN = 0
+WARM_SLABS_MAX = 1024  # in the largest class; each class's own is in the header
+WARM_SLABS_DEFAULT_MAX = 1024  # the default rule's ceiling
+DRAIN_MS_MIN = 0
+DRAIN_MS_MAX = 3600000
+DRAIN_MS_DEFAULT = 1000
+BATCH_MAX = 1024
+BATCH_DEFAULT_MAX = 256

@@ -1,0 +1,104 @@
+/* classes.c — the size classes: their sizes, slab geometry and lookup tables.
+ *
+ * Filled once at initialization (init.c:_hk_init) from a formula, before
+ * any allocation is served, and read without locks ever after; the aligned
+ * tables are built at the first aligned request instead (see below).
+ * Sizes: 16..128 step 16, then four classes per doubling up to 1 MiB
+ * (internal.h:_hk_class_of).
+ */
+#include "internal.h"
+
+hk_class_info_t _hk_class[HK_NUM_CLASSES];
+uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
+uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+hk_div_t _hk_div[HK_NUM_CLASSES] __attribute__((aligned(64)));
+uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];
+uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1] HK_SPARSE_BSS;
+uint8_t _hk_align_medium[HK_ALIGN_LEVELS][HK_MEDIUM_MAX / 128 + 1] HK_SPARSE_BSS;
+
+/* ---- size classes ----------------------------------------------------------- */
+static uint32_t class_size_formula(unsigned cls) {
+  if (cls <= 8) return cls * 16u;
+  unsigned k = cls - 9;              /* 0.. */
+  unsigned b = 7 + k / 4;            /* doubling above 2^b */
+  return (uint32_t)((5u + k % 4) << (b - 2));
+}
+
+void _hk_classes_init(void) {
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    hk_class_info_t* ci = &_hk_class[cls];
+    uint32_t size = class_size_formula(cls);
+    ci->size = size;
+    /* Pages per slab: at least 8 blocks up to 64 KiB (4 up to 128 KiB, then
+     * one), so medium slabs do not empty and refill at every swing of a
+     * working set; at most 1/8 of a slab wasted at its end. */
+    unsigned want = size <= 65536 ? 8 : size <= 131072 ? 4 : 1;
+    unsigned best = 0;
+    for (unsigned k = 1; k <= HK_SLAB_MAX_PAGES; k++) {
+      uint64_t bytes = (uint64_t)k << HK_PAGE_SHIFT;
+      if (bytes / size < want) continue;
+      if ((bytes % size) * 8 <= bytes) { best = k; break; }
+    }
+    if (!best) best = (unsigned)((size + HK_PAGE_SIZE - 1) >> HK_PAGE_SHIFT);
+    ci->slab_pages = best;
+    ci->slab_blocks = (uint32_t)(((uint64_t)best << HK_PAGE_SHIFT) / size);
+    uint64_t c = UINT64_MAX / size + 1;
+    uint64_t e = c * size;                    /* d*c mod 2^64, < size */
+    _hk_div[cls].magic = c;
+    _hk_div[cls].limit = e ? (uint64_t)ci->slab_blocks * e : c;
+  }
+#if HK_DEBUG
+  /* The block-start test against plain division, for every block start,
+   * the slack after the last block, and offsets just off a boundary. */
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    uint64_t size = _hk_class[cls].size, blocks = _hk_class[cls].slab_blocks;
+    uint64_t span = (uint64_t)_hk_class[cls].slab_pages << HK_PAGE_SHIFT;
+    for (uint64_t q = 0; q <= blocks; q++)
+      for (uint64_t d = 0; d < 64 && q * size + d < span; d += 16) {
+        uint64_t off = q * size + d;
+        bool want = off % size == 0 && off / size < blocks;
+        HK_ASSERT((off * _hk_div[cls].magic < _hk_div[cls].limit) == want);
+      }
+  }
+#endif
+  /* From the top down, so each alignment is one pass over the classes. */
+  for (unsigned k = 0; k < HK_ALIGN_LEVELS; k++) {
+    unsigned next = 0;   /* the nearest class above with aligned blocks */
+    for (unsigned c = HK_NUM_CLASSES - 1; c >= 1; c--) {
+      if ((_hk_class[c].size & ((1u << (k + HK_ALIGN_SHIFT0)) - 1)) == 0) next = c;
+      _hk_align_class[k][c] = (uint8_t)next;
+    }
+  }
+  /* Sizes grow with i, so each table is one merge-like pass: the class
+   * search resumes where the last entry's ended (restarting it at class 1
+   * for each of the 257 medium entries cost ~45k instructions, a third of
+   * what preloading hakmem adds to a process that never allocates). */
+  unsigned cls = 1;
+  for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++) {
+    size_t n = i ? (size_t)i * 16 : 1;
+    while (_hk_class[cls].size < n) cls++;
+    _hk_small_class[i] = (uint8_t)cls;
+  }
+  cls = 1;
+  for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++) {
+    size_t n = i ? (size_t)i * 128 : 1;
+    while (_hk_class[cls].size < n) cls++;
+    _hk_medium_class[i] = (uint8_t)cls;
+  }
+}
+
+/* Built at the first aligned request's slow path rather than at start: 4 KiB
+ * of tables that most processes never read. Until then they read 0, which
+ * sends aligned requests to the slow path (bin 0 is always empty). */
+void _hk_align_tables_build(void) {
+  static _Atomic int state;   /* 0 none, 1 building, 2 built */
+  int expect = 0;
+  if (hk_load_relaxed(&state) != 0 || !atomic_compare_exchange_strong(&state, &expect, 1)) return;
+  for (unsigned k = 0; k < HK_ALIGN_LEVELS; k++) {
+    for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++)
+      _hk_align_small[k][i] = _hk_align_class[k][_hk_small_class[i]];
+    for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++)
+      _hk_align_medium[k][i] = _hk_align_class[k][_hk_medium_class[i]];
+  }
+  atomic_store(&state, 2);
+}

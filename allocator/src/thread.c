@@ -1,0 +1,195 @@
+/* thread.c — threads: the registry of thread records, a thread cache's
+ * set-up and exit, and publishing its counters.
+ *
+ * SYNCHRONIZATION
+ *  1. registry_lock guards the registry of thread records and its free list.
+ *     A thread writes its own record's counters (relaxed atomics) without
+ *     the lock; stats read them under it (_hk_registry_sum).
+ *  2. A thread's cache (_hk_tc, initial-exec TLS) is touched only by its
+ *     thread; others see its record alone.
+ *  3. Fork (init.c): the parent holds registry_lock across fork; the child
+ *     re-initializes it and keeps only its own record
+ *     (_hk_thread_after_fork_child).
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+
+#include "internal.h"
+#include "prim.h"
+
+__thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
+
+static hk_lock_t registry_lock;
+static pthread_key_t thread_key;
+static bool thread_key_ok;
+
+void _hk_registry_lock(void) { _hk_lock(&registry_lock); }
+void _hk_registry_unlock(void) { _hk_unlock(&registry_lock); }
+
+/* ---- threads ----------------------------------------------------------------
+ * Each thread with a cache has a record in the registry. Records live in
+ * metadata pages that are never unmapped, so the registry cannot dangle even
+ * when a thread ends without our exit hook: that happens when its very first
+ * allocation comes from another key's destructor on the last destructor
+ * round, after which pthread calls no more destructors. Such records (and the
+ * few blocks their thread cached) are found by a liveness sweep (tgkill with
+ * signal 0) when records pile up, and on every stats call while the registry
+ * is small.
+ */
+static hk_thread_rec_t* registry;      /* live records */
+static hk_thread_rec_t* rec_free;      /* reusable records */
+/* The first thread's record is static: most processes have one thread, and
+ * it saves them a 64 KiB mapping (an mmap and a page fault) at their first
+ * allocation. Later chunks are mapped as needed. */
+static hk_thread_rec_t rec_first;
+static uint8_t* rec_chunk = (uint8_t*)&rec_first;   /* bump area for new records */
+static size_t rec_chunk_left = sizeof rec_first;
+static size_t rec_count, rec_count_at_sweep;
+
+#define REC_CHUNK (64u << 10)
+
+static hk_thread_rec_t* rec_alloc(void) {   /* registry lock held */
+  hk_thread_rec_t* r = rec_free;
+  if (r) { rec_free = r->next; return r; }
+  if (rec_chunk_left < sizeof *r) {
+    void* p;
+    if (_hk_os_map_aligned(REC_CHUNK, HK_OS_PAGE, false, &p) != 0) return NULL;
+    rec_chunk = p;
+    rec_chunk_left = REC_CHUNK;
+  }
+  r = (hk_thread_rec_t*)rec_chunk;
+  rec_chunk += sizeof *r;
+  rec_chunk_left -= sizeof *r;
+  return r;
+}
+
+static void rec_unlink(hk_thread_rec_t* r) {   /* registry lock held */
+  if (r->prev) r->prev->next = r->next; else registry = r->next;
+  if (r->next) r->next->prev = r->prev;
+  memset(r, 0, sizeof *r);
+  r->next = rec_free;
+  rec_free = r;
+  rec_count--;
+}
+
+/* Drops records of threads that no longer exist. Their allocation counts
+ * stay in the totals; their cached blocks stay counted as cached (they were
+ * in the dead thread's TLS and cannot be reached any more). */
+static void sweep_dead(void) {   /* registry lock held */
+  for (hk_thread_rec_t* r = registry, *next; r; r = next) {
+    next = r->next;
+    if (_hk_os_thread_gone(r->tid)) {
+      for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+        hk_add_relaxed(&_hk_central[cls].c.allocs, hk_load_relaxed(&r->allocs[cls]));
+        hk_add_relaxed(&_hk_central[cls].c.lost_blocks, hk_load_relaxed(&r->cached[cls]));
+      }
+      rec_unlink(r);
+      hk_sub_relaxed(&_hk_proc.threads, 1);
+    }
+  }
+  rec_count_at_sweep = rec_count;
+}
+
+void _hk_publish(hk_tcache_t* tc, unsigned cls) {
+  hk_thread_rec_t* r = tc->rec;
+  if (!r) return;
+  hk_store_relaxed(&r->allocs[cls], _hk_bin_allocs(&tc->bin[cls]));
+  hk_store_relaxed(&r->cached[cls], tc->bin[cls].count);
+}
+
+void _hk_publish_all(hk_tcache_t* tc) {
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) _hk_publish(tc, cls);
+}
+
+static void thread_exit(void* arg) {
+  hk_tcache_t* tc = &_hk_tc;
+  if (tc->state != HK_TC_ACTIVE) return;
+  _hk_flush_thread(tc);
+  _hk_registry_lock();
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    hk_add_relaxed(&_hk_central[cls].c.allocs, _hk_bin_allocs(&tc->bin[cls]));
+    tc->bin[cls].mark = 0;
+    tc->bin[cls].left = 0;
+    tc->bin[cls].cap = 0;   /* from now on every call goes the direct way */
+  }
+  if (tc->rec) rec_unlink(tc->rec);
+  tc->rec = NULL;
+  hk_sub_relaxed(&_hk_proc.threads, 1);
+  tc->state = HK_TC_DEAD;
+  _hk_registry_unlock();
+}
+
+hk_tcache_t* _hk_tcache_setup(void) {
+  hk_tcache_t* tc = &_hk_tc;
+  if (!__atomic_load_n(&_hk_initialized, __ATOMIC_ACQUIRE)) _hk_init();
+  if (tc->state != HK_TC_NEW) return tc;
+  tc->tid = _hk_os_tid();
+  tc->last_gc_ns = _hk_os_now_coarse_ns();
+  /* Check-in draws differ between threads and between runs. */
+  tc->rng = (tc->last_gc_ns ^ ((uint64_t)tc->tid * 0x9e3779b97f4a7c15ull)) | 1;
+  _hk_registry_lock();
+  if (rec_count >= 64 && rec_count >= 2 * rec_count_at_sweep) sweep_dead();
+  hk_thread_rec_t* r = rec_alloc();
+  if (r) {
+    r->tid = tc->tid;
+    r->prev = NULL;
+    r->next = registry;
+    if (registry) registry->prev = r;
+    registry = r;
+    rec_count++;
+  }
+  tc->rec = r;
+  hk_add_relaxed(&_hk_proc.threads, 1);
+  hk_add_relaxed(&_hk_proc.threads_total, 1);
+  tc->state = HK_TC_ACTIVE;
+  _hk_registry_unlock();
+  _hk_tcache_apply_policy(tc);
+  /* A non-NULL value makes pthread call thread_exit when the thread ends.
+   * Our key is made first thing, so it sits in the static key array and
+   * setting it does not allocate. */
+  if (thread_key_ok) pthread_setspecific(thread_key, tc);
+  return tc;
+}
+
+/* Sums every live thread's published counters (stats.c). */
+void _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks) {
+  hk_tcache_t* me = &_hk_tc;
+  if (me->state == HK_TC_ACTIVE) _hk_publish_all(me);
+  _hk_registry_lock();
+  if (rec_count <= 64 || rec_count >= 2 * rec_count_at_sweep) sweep_dead();
+  for (hk_thread_rec_t* r = registry; r; r = r->next)
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+      allocs[cls] += hk_load_relaxed(&r->allocs[cls]);
+      cached_blocks[cls] += hk_load_relaxed(&r->cached[cls]);
+    }
+  _hk_registry_unlock();
+}
+
+/* The key whose destructor runs thread_exit (once, at initialization). */
+void _hk_thread_init(void) {
+  if (pthread_key_create(&thread_key, thread_exit) == 0) thread_key_ok = true;
+}
+
+/* In the child of a fork, after the allocator's other locks are reset. */
+void _hk_thread_after_fork_child(void) {
+  _hk_lock_reinit(&registry_lock);
+  /* Only the forking thread exists now. The other threads' records go, as
+   * a sweep would drop them; their cached blocks stay out of their slabs
+   * (a bounded leak, as in every allocator). */
+  hk_tcache_t* me = &_hk_tc;
+  for (hk_thread_rec_t* r = registry, *next; r; r = next) {
+    next = r->next;
+    if (r == me->rec) continue;
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+      hk_add_relaxed(&_hk_central[cls].c.allocs, hk_load_relaxed(&r->allocs[cls]));
+      hk_add_relaxed(&_hk_central[cls].c.lost_blocks, hk_load_relaxed(&r->cached[cls]));
+    }
+    rec_unlink(r);
+  }
+  rec_count_at_sweep = rec_count;
+  if (me->state == HK_TC_ACTIVE) {
+    me->tid = _hk_os_tid();
+    if (me->rec) me->rec->tid = me->tid;
+  }
+  hk_store_relaxed(&_hk_proc.threads, me->state == HK_TC_ACTIVE ? 1 : 0);
+}

@@ -167,14 +167,15 @@ def machine_info() -> dict:
 def grid_policy(point: dict, pol: dict, header: dict) -> dict:
     """The policy of a grid point, built on the policy in force (the default)."""
     from hakmem import layout as L
+    from hakmem.knobs import Knobs, default_batch
 
-    out = {"drain_ms": pol["drain_ms"], **{k: list(pol[k]) for k in L.KNOBS_PER_CLASS}}
+    out = Knobs.of(pol).to_dict()
     for c in range(1, L.NUM_CLASSES):
         cap = point.get("cap")
         if cap is not None:
             v = header["cap_max"][c] if cap == "max" else min(int(cap), header["cap_max"][c])
             out["tcache_cap"][c] = v
-            out["tcache_batch"][c] = max(1, min(v // 2, 256, header["batch_max"]))
+            out["tcache_batch"][c] = default_batch(v, header["batch_max"])
         warm = point.get("warm")
         if warm is not None:
             out["warm_slabs"][c] = header["warm_max"][c] if warm == "max" else min(int(warm), header["warm_max"][c])
@@ -184,8 +185,11 @@ def grid_policy(point: dict, pol: dict, header: dict) -> dict:
 
 
 def knobs_of(pol: dict) -> dict:
-    return {"drain_ms": int(pol["drain_ms"]), "tcache_cap": [int(x) for x in pol["tcache_cap"]],
-            "tcache_batch": [int(x) for x in pol["tcache_batch"]], "warm_slabs": [int(x) for x in pol["warm_slabs"]]}
+    """A policy (the ring's, with its version, or the store's) in the bench's
+    form: hakmem.knobs.Knobs' dict form, plain ints, JSON as it is."""
+    from hakmem.knobs import Knobs
+
+    return Knobs.of(pol).to_dict()
 
 
 def stored_best(db: Path) -> tuple[dict | None, str]:
@@ -252,7 +256,7 @@ class Learnd:
             time.sleep(0.02)
 
     def cpu_seconds(self) -> float | None:
-        from hakmem.objective import proc_stat
+        from hakmem.procfs import proc_stat
 
         s = proc_stat(self.proc.pid) if self.proc else None
         return s["utime"] + s["stime"] if s else None
@@ -285,7 +289,7 @@ def run_workload(workload: str, seconds: float, shm: Path, seed: int, on_ring=No
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAKMEM_")}
     env.update(LD_PRELOAD=str(LIB), HAKMEM_SHM_DIR=str(shm))
     argv = [str(WORKLOAD), *WORKLOADS[workload]["args"][:1], f"{seconds:g}", str(seed), *WORKLOADS[workload]["args"][1:]]
-    from hakmem.objective import proc_rss
+    from hakmem.procfs import proc_rss
 
     t0 = time.monotonic()
     p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

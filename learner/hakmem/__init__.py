@@ -1,4 +1,4 @@
 """hakmem's Python side: the telemetry ring (ring.py), its layout (layout.py)
-and the `hakmem` command (cli.py)."""
+and the `hakmem` command (cli/)."""
 
-__version__ = "0.2.0"
+from ._layout import VERSION as __version__   # one definition: schemas/shm_layout.json

@@ -8,7 +8,7 @@ SYNCHRONIZATION AND LIFE CYCLE
     retention (every retain_every). Between deadlines the loop waits on the
     control socket, so requests are answered at once.
  2. A process is tracked from its telemetry file's appearance to its death.
-    Its program (executable + build, identity.py) owns the learner. A new
+    Its program (executable + build, procfs.py) owns the learner. A new
     process of a program gets the program's policy at once: the one its live
     siblings run, else the pinned one, else the best stored (warm start).
  3. Every `sample_period` each live process gives one window (record deltas
@@ -36,17 +36,14 @@ import stat
 import sys
 import time
 
-import numpy as np
-
 from . import __version__
-from . import layout as L
 from .config import Config, ConfigError, load
-from .identity import program_identity
 from .learning import Context, Decision, Evaluation, Window, canonical, same
-from .objective import Prices, default_objective, proc_rss, proc_stat, time_cost
+from .objective import Prices, default_objective, time_cost
 from .discovery import Candidate, Directory
 from .lease import Lease, LeaseError
-from .ring import Ring, RingError, proc_start_time
+from .procfs import proc_rss, proc_start_time, proc_stat, program_identity
+from .ring import Ring, RingError
 from .store import Store, StoreError, program_key
 
 PENDING_MAX = 200_000          # rows kept in memory while the store cannot be written
@@ -173,7 +170,6 @@ class Daemon:
         self.programs: dict[str, Program] = {}
         self.procs: dict[str, Proc] = {}
         self.dir = Directory(cfg.shm_dir, clock, log)
-        self.stop_requested = False
         self.started = clock.time()
         self.next_discover = self.next_sample = 0.0
         self.next_retain = clock.monotonic() + cfg.retain_every
@@ -244,22 +240,9 @@ class Daemon:
             raise ConfigError(str(e)) from None
 
     def open_endpoints(self):
-        import fcntl
-
         import zmq
         from . import control
-        # Two learnds started at the same moment would both find no one
-        # answering on control.sock; the lock, held for life, settles it.
-        try:
-            os.makedirs(self.cfg.run_dir, mode=0o700, exist_ok=True)
-            self.lock_fd = os.open(os.path.join(self.cfg.run_dir, "learnd.lock"),
-                                   os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise control.ControlError(f"another hakmem-learnd is running on {self.cfg.run_dir} "
-                                       f"(it holds learnd.lock)") from None
-        except OSError as e:
-            raise control.ControlError(f"cannot lock {self.cfg.run_dir}/learnd.lock: {e.strerror}") from None
+        self.lock_fd = control.lock_run_dir(self.cfg.run_dir)     # held for life
         self.zctx = zmq.Context()
         self.rep, self.pub = control.bind(self.zctx, self.cfg.run_dir)
         self.backend = _live_backend(self)
@@ -283,7 +266,6 @@ class Daemon:
         except ConfigError as e:
             self.fatal = f"lost the telemetry directory: {e}"
             self.log("error", self.fatal)
-            self.stop_requested = True
 
     def close(self):
         for prog in self.programs.values():
@@ -611,40 +593,25 @@ class Daemon:
             self.log("warning", f"{prog.exe}: learner flush failed: {e}")
 
     # ---- sampling -------------------------------------------------------------------
-    def _proc_window(self, p: Proc, t0, t1):
-        """One process's rates over [t0, t1] and its gauges at t1."""
+    def _proc_window(self, p: Proc, t0, t1) -> Window:
+        """One process's window over [t0, t1] (monotonic): every counter's rate
+        between its previous record and its latest, gauges at the latest
+        (Window.between), faults, CPU and mean resident memory from /proc."""
         dt = max(t1 - t0, 1e-3)
         rec = p.ring.latest()
         st = proc_stat(p.pid)
         rss = p.rss_sum / p.rss_n if p.rss_n else (proc_rss(p.pid) or 0)
         p.rss_sum, p.rss_n = 0.0, 0
-        z = np.zeros(L.NUM_CLASSES)
-        out = {k: z.copy() for k in ("allocs", "refills", "drains", "remote_frees", "slabs_from_os", "slabs_to_os",
-                                     "slabs_from_warm", "slabs_to_warm", "slow_ns", "cached_bytes", "live_bytes")}
-        out.update(os_calls=0.0, minflt=0.0, rss=float(rss), active=False, threads=0, committed=0.0)
-        prev = p.prev_rec
-        if rec is not None:
-            c = rec["cls"]
-            out["cached_bytes"] = c["cached_bytes"].astype(float)
-            out["live_bytes"] = c["live_bytes"].astype(float)
-            out["threads"] = int(rec["proc"]["threads"])
-            out["committed"] = float(rec["proc"]["committed_bytes"])
-            if prev is not None and int(rec["index"]) > int(prev["index"]):
-                out["active"] = True
-                pc = prev["cls"]
-                for k in ("allocs", "refills", "drains", "remote_frees", "slabs_from_os", "slabs_to_os",
-                          "slabs_from_warm", "slabs_to_warm", "slow_ns"):
-                    out[k] = np.maximum(c[k].astype(np.int64) - pc[k].astype(np.int64), 0) / dt
-                out["os_calls"] = sum(max(int(rec["proc"][k]) - int(prev["proc"][k]), 0)
-                                      for k in ("mmap_calls", "munmap_calls", "madvise_calls")) / dt
-            p.prev_rec = rec
-        out["cpu"] = 0.0
+        minflt = cpu = 0.0
         if st is not None and p.prev_stat is not None:
-            out["minflt"] = max(st["minflt"] - p.prev_stat["minflt"], 0) / dt
-            out["cpu"] = max(st["utime"] + st["stime"] - p.prev_stat["utime"] - p.prev_stat["stime"], 0) / dt
+            minflt = max(st["minflt"] - p.prev_stat["minflt"], 0) / dt
+            cpu = max(st["utime"] + st["stime"] - p.prev_stat["utime"] - p.prev_stat["stime"], 0) / dt
         if st is not None:
             p.prev_stat = st
-        return out
+        w = Window.between(p.prev_rec, rec, dt, t_start=t0, t_end=t1, minflt=minflt, rss_bytes=float(rss), cpu=cpu)
+        if rec is not None:
+            p.prev_rec = rec
+        return w
 
     def sample(self, t0_mono, t1_mono):
         t1_wall = self.clock.time()
@@ -674,31 +641,20 @@ class Daemon:
             # looked, and it neither confirms the target nor holds it back.
             in_force = prog.target is not None and all(
                 same(p.written_knobs, prog.target)
-                and ((p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w["active"])
+                and ((p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w.active)
                 for p, w in parts)
             knobs = prog.target if in_force else None
-            tot = {k: sum(w[k] for _, w in parts) for k in parts[0][1] if k != "active"}
-            tc = time_cost(float(tot["slow_ns"].sum()), tot["minflt"], tot["os_calls"], self.prices)
-            mc = prog.objective.mem_cost(tot["rss"])
-            win = Window(t_start=t0_wall, t_end=t1_wall, knobs=knobs, processes=len(parts),
-                         allocs=tot["allocs"], refills=tot["refills"], drains=tot["drains"],
-                         remote_frees=tot["remote_frees"], slabs_from_os=tot["slabs_from_os"],
-                         slabs_to_os=tot["slabs_to_os"], slabs_from_warm=tot["slabs_from_warm"],
-                         slabs_to_warm=tot["slabs_to_warm"], slow_ns=tot["slow_ns"],
-                         cached_bytes=tot["cached_bytes"], live_bytes=tot["live_bytes"], os_calls=tot["os_calls"],
-                         minflt=tot["minflt"], rss_bytes=tot["rss"], threads=int(tot["threads"]),
-                         active=any(w["active"] for _, w in parts), time_cost=tc, mem_cost=mc, cost=tc + mc,
-                         cpu=tot["cpu"])
+            parts = [(p, self._priced(prog, w.replace(t_start=t0_wall, t_end=t1_wall, knobs=knobs)))
+                     for p, w in parts]
+            win = self._priced(prog, Window.merge([w for _, w in parts], knobs=knobs))
             prog.last_window = win
             for p, w in parts:
                 p.windows += 1
-                p.last_rss = w["rss"]
-                p.last_allocs = float(w["allocs"].sum())
-                p.threads = w["threads"]
-                ptc = time_cost(float(w["slow_ns"].sum()), w["minflt"], w["os_calls"], self.prices)
-                pmc = prog.objective.mem_cost(w["rss"])
-                p.last_cost = ptc + pmc
-                self._store_window(prog, p, w, knobs, t0_wall, t1_wall, ptc, pmc)
+                p.last_rss = w.rss_bytes
+                p.last_allocs = float(w.allocs.sum())
+                p.threads = w.threads
+                p.last_cost = w.cost
+                self._store_window(prog, p, w)
             try:
                 dec = prog.learner.observe(win)
             except Exception as e:   # a learner bug must not stop learnd, nor leave a bad policy
@@ -710,13 +666,15 @@ class Daemon:
             for ev in prog.learner.pending():
                 self._store_evaluation(prog, ev)
 
-    def _store_window(self, prog, p: Proc, w, knobs, t0, t1, tc, mc):
-        row = {"t_start": t0, "t_end": t1, "allocs": float(w["allocs"].sum()), "refills": float(w["refills"].sum()),
-               "drains": float(w["drains"].sum()), "remote_frees": float(w["remote_frees"].sum()),
-               "slow_ns": float(w["slow_ns"].sum()), "os_calls": w["os_calls"], "minflt": w["minflt"],
-               "rss_bytes": w["rss"], "cached_bytes": float(w["cached_bytes"].sum()),
-               "live_bytes": float(w["live_bytes"].sum()), "committed_bytes": w["committed"],
-               "time_cost": tc, "mem_cost": mc, "cost": tc + mc, "mix": w["allocs"].astype(np.float32)}
+    def _priced(self, prog, w: Window) -> Window:
+        """w with its costs under the program's objective and learnd's prices."""
+        tc = time_cost(float(w.slow_ns.sum()), w.minflt, w.os_calls, self.prices)
+        mc = prog.objective.mem_cost(w.rss_bytes)
+        return w.replace(time_cost=tc, mem_cost=mc, cost=tc + mc)
+
+    def _store_window(self, prog, p: Proc, w: Window):
+        row = w.row()
+        knobs = w.knobs
         origin = "pinned" if prog.pinned else ("default" if same(knobs, prog.default) else "learned")
 
         def op(store: Store):
@@ -800,10 +758,6 @@ class Daemon:
             else:
                 time.sleep(timeout)
 
-    def run(self):
-        while not self.stop_requested:
-            self.turn()
-
     def status_warnings(self):
         out = []
         if self.writes.failing:
@@ -818,8 +772,9 @@ def _live_backend(d: Daemon):
     running daemon knows, and pins that take effect at once."""
     from . import control
     from ._pb import hakmem_pb2 as pb
+    from .backend import StoreBackend
 
-    class LiveBackend(control.StoreBackend):
+    class LiveBackend(StoreBackend):
         def status(self):
             st = super().status()
             st.running = True
@@ -983,7 +938,7 @@ def main(argv=None):
             d.turn(wait=False)
             d.turn(wait=False)
         else:
-            while not flag and not d.stop_requested:
+            while not flag and not d.fatal:
                 d.turn()
         log("info", f"stopping ({flag[0] if flag else ('lost the telemetry directory' if d.fatal else 'once')}): {len(d.procs)} processes, "
                     f"{len(d.writes.ops)} writes pending")

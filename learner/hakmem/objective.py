@@ -1,4 +1,4 @@
-"""The objective hakmem-learnd minimises, and the /proc readings it needs.
+"""The objective hakmem-learnd minimises (the /proc readings it needs: procfs.py).
 
 Units. Time is allocator overhead in core-seconds per second of wall time
 (0.02 = two hundredths of a core spent in the allocator's slow paths, page
@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import os
 import re
 import time
+
+from . import procfs
+from .procfs import PAGE
 
 GIB = float(1 << 30)
 DEFAULT_LAMBDA = 0.125
 OVER_BUDGET = 10.0          # cores per 100% over budget: past the budget, memory dominates
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.I)
 
@@ -95,70 +96,11 @@ class Objective:
         raise ObjectiveError(f"objective {text!r}: expected lambda=N or budget=SIZE")
 
 
-# ---- /proc and cgroups -------------------------------------------------------
-def proc_stat(pid: int) -> dict | None:
-    """minflt, majflt, utime/stime (seconds), threads, start_time; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rindex(b")") + 2:].split()
-    hz = os.sysconf("SC_CLK_TCK")
-    return {"minflt": int(rest[7]), "majflt": int(rest[9]), "utime": int(rest[11]) / hz,
-            "stime": int(rest[12]) / hz, "threads": int(rest[17]), "start_time": int(rest[19])}
-
-
-def proc_uids(pid: int) -> tuple[int, int, int, int] | None:
-    """(real, effective, saved, filesystem) uids of a process, or None if gone.
-    Not the owner of /proc/<pid>: that is root for a non-dumpable process."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    r, e, s, fs = (int(x) for x in line.split()[1:5])
-                    return r, e, s, fs
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def proc_rss(pid: int) -> int | None:
-    """Resident bytes (/proc/<pid>/statm), or None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def cgroup_memory_limit(pid: int, root: str = "/sys/fs/cgroup") -> int | None:
-    """The tightest memory.max (cgroup v2) above the process, or None."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    path = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), None)
-    if path is None:
-        return None
-    best = None
-    parts = [p for p in path.split("/") if p]
-    for i in range(len(parts), 0, -1):
-        try:
-            with open(os.path.join(root, *parts[:i], "memory.max")) as f:
-                v = f.read().strip()
-        except OSError:
-            continue
-        if v != "max":
-            best = int(v) if best is None else min(best, int(v))
-    return best
-
-
+# ---- a program's default: its cgroup's memory limit ------------------------
 def default_objective(pid: int, fallback: Objective, budget_share: float = 0.8) -> Objective:
     """A program in a cgroup with a memory limit is tuned for time under a
     share of that limit; any other for the fallback."""
-    limit = cgroup_memory_limit(pid)
+    limit = procfs.cgroup_memory_limit(pid)
     if limit:
         return Objective(budget_bytes=int(limit * budget_share))
     return fallback

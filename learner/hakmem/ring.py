@@ -15,7 +15,8 @@ import time
 import numpy as np
 
 from . import layout as L
-from .objective import proc_stat, proc_uids
+from .knobs import PER_CLASS, PER_PROCESS, Bounds, Knobs, KnobsError
+from .procfs import proc_start_time, proc_uids
 
 DEFAULT_DIR = "/dev/shm/hakmem"
 REJECT_REASONS = {0: "none", 1: "slot version mismatch", 2: "bad checksum", 3: "value out of bounds"}
@@ -55,12 +56,6 @@ def resolve(target, directory=None):
     return str(target)
 
 
-def proc_start_time(pid):
-    """Field 22 of /proc/<pid>/stat, or None when the process is gone."""
-    st = proc_stat(pid)
-    return st["start_time"] if st else None
-
-
 def fnv1a64(data, h=0xCBF29CE484222325):
     # numpy has no FNV; ~750 bytes per slot keeps a plain loop cheap.
     for b in data:
@@ -69,20 +64,19 @@ def fnv1a64(data, h=0xCBF29CE484222325):
 
 
 def slot_checksum(slot_bytes):
-    """FNV-1a 64 of the version (8 bytes) then the slot from drain_ms on."""
+    """FNV-1a 64 of the version (8 bytes) then the slot after the checksum."""
     version = slot_bytes[0:8]
-    body = slot_bytes[L.offset_of("policy_slot", "drain_ms"):L.POLICY_SLOT.itemsize]
+    body = slot_bytes[L.offset_of("policy_slot", "checksum") + 8:L.POLICY_SLOT.itemsize]
     return fnv1a64(body, fnv1a64(version))
 
 
 def encode_slot(pol, version, checksum=None):
-    """The bytes of a policy slot carrying pol as `version`, with its checksum
-    (or the one given: tests forge wrong ones)."""
+    """The bytes of a policy slot carrying pol (Knobs, or its dict form) as
+    `version`, with its checksum (or the one given: tests forge wrong ones)."""
     slot = np.zeros(1, dtype=L.POLICY_SLOT)
     slot["version"] = version
-    slot["drain_ms"] = pol["drain_ms"]
-    for k in L.KNOBS_PER_CLASS:
-        slot[k] = pol[k]
+    for k, v in Knobs.of(pol).items():
+        slot[k] = v
     b = bytearray(slot.tobytes())
     b[8:16] = (slot_checksum(bytes(b)) if checksum is None else checksum).to_bytes(8, "little")
     return bytes(b)
@@ -291,8 +285,7 @@ class Ring:
     @staticmethod
     def slot_to_policy(b):
         s = np.frombuffer(b, dtype=L.POLICY_SLOT, count=1)[0]
-        return {"version": int(s["version"]), "drain_ms": int(s["drain_ms"]),
-                **{k: [int(x) for x in s[k]] for k in L.KNOBS_PER_CLASS}}
+        return {"version": int(s["version"]), **Knobs({k: s[k] for k in (*PER_PROCESS, *PER_CLASS)}).to_dict()}
 
     def policy_in_force(self, timeout=0.1):
         """The policy the allocator has in force. The allocator rewrites it
@@ -318,22 +311,13 @@ class Ring:
         return {k: h[k] for k in ("applied_version", "seen_version", "rejected", "reject_reason")}
 
     def check_policy(self, pol):
-        """Raises RingError naming the first value out of bounds."""
+        """Raises RingError naming the first value out of the bounds this
+        process publishes (Knobs.check: the allocator's own rule)."""
         h = self.header()
-        if not 0 <= pol["drain_ms"] <= h["drain_ms_max"]:
-            raise RingError(f"drain_ms={pol['drain_ms']} is outside 0..{h['drain_ms_max']}")
-        for c in range(1, L.NUM_CLASSES):
-            cap, batch, warm = (pol[k][c] for k in L.KNOBS_PER_CLASS)
-            size = h["class_size"][c]
-            if not 0 <= cap <= h["cap_max"][c]:
-                raise RingError(f"tcache_cap[{c}]={cap} (class {size} B) is outside 0..{h['cap_max'][c]}")
-            if not 1 <= batch <= min(h["batch_max"], max(cap, 1)):
-                raise RingError(f"tcache_batch[{c}]={batch} (class {size} B) is outside 1..{min(h['batch_max'], max(cap, 1))} (at most the capacity)")
-            if not 0 <= warm <= h["warm_max"][c]:
-                raise RingError(f"warm_slabs[{c}]={warm} (class {size} B) is outside 0..{h['warm_max'][c]}")
-        for k in L.KNOBS_PER_CLASS:
-            if pol[k][0] != 0:
-                raise RingError(f"{k}[0] must be 0 (class 0 is huge objects, which have no knobs)")
+        try:
+            Knobs.of(pol).check(Bounds.from_header(h), h["class_size"])
+        except KnobsError as e:
+            raise RingError(str(e)) from None
 
     def write_policy(self, pol, check=True, version=None):
         """Publishes pol (a dict like policy_in_force's) as a new snapshot.
@@ -391,13 +375,13 @@ def parse_assignment(pol, text, header):
     if not m:
         raise RingError(f"cannot read the key {key!r}")
     name, cls, size = m.group(1), m.group(2), m.group(3)
-    if name == "drain_ms":
+    if name in PER_PROCESS:
         if cls or size:
-            raise RingError("drain_ms is per process, not per class")
-        pol["drain_ms"] = value
+            raise RingError(f"{name} is per process, not per class")
+        pol[name] = value
         return
-    if name not in L.KNOBS_PER_CLASS:
-        raise RingError(f"unknown knob {name!r} (knobs: drain_ms, {', '.join(L.KNOBS_PER_CLASS)})")
+    if name not in PER_CLASS:
+        raise RingError(f"unknown knob {name!r} (knobs: {', '.join((*PER_PROCESS, *PER_CLASS))})")
     sizes = header["class_size"]
     if cls is not None:
         classes = [int(cls)]
@@ -415,20 +399,23 @@ def parse_assignment(pol, text, header):
 
 
 # ---- windows and rates -------------------------------------------------------
-def window(a, b):
+def window(a, b, seconds=None, clamp=False):
     """Per-second rates between two records (b newer): cumulative counters as
-    rates, gauges as the values at b. Returns a dict of numpy arrays."""
-    dt = (int(b["time_ns"]) - int(a["time_ns"])) / 1e9
+    rates, gauges as the values at b. Returns a dict of numpy arrays.
+    seconds: divide by this instead of the time between the records (a
+    sampler's window); clamp: a delta below zero counts as zero."""
+    dt = (int(b["time_ns"]) - int(a["time_ns"])) / 1e9 if seconds is None else max(float(seconds), 1e-3)
     if dt <= 0:
         raise ValueError("records are not in time order")
+    lo = 0 if clamp else None
     out = {"seconds": dt, "proc": {}, "cls": {}}
     for name in L.PROC_COUNTERS:
         va, vb = int(a["proc"][name]), int(b["proc"][name])
-        out["proc"][name] = vb if name in L.GAUGES else (vb - va) / dt
+        out["proc"][name] = vb if name in L.GAUGES else (vb - va if lo is None else max(vb - va, lo)) / dt
     for name in L.CLASS_COUNTERS:
         va = a["cls"][name].astype(np.int64)
         vb = b["cls"][name].astype(np.int64)
-        out["cls"][name] = vb if name in L.GAUGES else (vb - va) / dt
+        out["cls"][name] = vb if name in L.GAUGES else (vb - va if lo is None else np.maximum(vb - va, lo)) / dt
     return out
 
 

@@ -3,11 +3,13 @@ evaluations. `sqlite3 learn.db` is a supported way to look (schemas/sql/).
 
 - Migrations are the numbered files schemas/sql/NNNN_name.sql, each applied
   with its record in schema_migrations in one transaction; a database newer
-  than this code is refused, never "downgraded".
+  than this code is refused, never "downgraded". The package reads them as
+  its data, hakmem/sql (a link to schemas/sql in the checkout, a copy in an
+  installed wheel), or from $HAKMEM_SCHEMA_DIR when set.
 - WAL, foreign keys on, a short busy timeout: the daemon's loop must never
   stall on a reader holding a lock. A write that fails (locked, read-only,
   disk full) raises StoreError; the daemon keeps the rows and tries again
-  (daemon.py: PendingWrites).
+  (daemon.py: Writes).
 - Policies are stored once per program and set of knobs (by digest).
 - A program is (exe, build_id, users): learned per user unless the
   configuration pools users (config.py: users_key); its key, the name the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.resources
 import json
 import os
 import pathlib
@@ -30,12 +33,15 @@ import numpy as np
 from .config import ConfigError, parse_users, users_names, users_text
 from .learning import Evaluation, Prior, canonical, digest
 
-SCHEMA_DIR = pathlib.Path(os.environ.get("HAKMEM_SCHEMA_DIR") or
-                          pathlib.Path(__file__).resolve().parents[2] / "schemas" / "sql")
+SCHEMA_DIR = (pathlib.Path(os.environ["HAKMEM_SCHEMA_DIR"]) if os.environ.get("HAKMEM_SCHEMA_DIR") else
+              importlib.resources.files(__package__) / "sql")
 ORIGINS = ("default", "learned", "replay", "pinned")
-WINDOW_COLS = ("process_id", "policy_id", "t_start", "t_end", "merged", "allocs", "refills", "drains",
-               "remote_frees", "slow_ns", "os_calls", "minflt", "rss_bytes", "cached_bytes", "live_bytes",
-               "committed_bytes", "time_cost", "mem_cost", "cost", "mix")
+# A window row is these keys, the allocation mix, and its measures: every
+# other column of the windows table, as the migrations made it (window_columns):
+# a column added by a migration is stored from learning.Window.row()'s key of
+# that name and averaged by retain(), with no list to change here.
+WINDOW_KEYS = ("process_id", "policy_id", "t_start", "t_end", "merged")
+WINDOW_MIX = "mix"
 _MIGRATION = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -46,13 +52,13 @@ class StoreError(Exception):
 def migrations(directory=SCHEMA_DIR):
     out = []
     try:
-        names = sorted(os.listdir(directory))
+        files = sorted(directory.iterdir(), key=lambda f: f.name)
     except OSError as e:
         raise StoreError(f"cannot read the schema directory {directory}: {e.strerror}") from None
-    for n in names:
-        m = _MIGRATION.match(n)
+    for f in files:
+        m = _MIGRATION.match(f.name)
         if m:
-            out.append((int(m.group(1)), m.group(2), (pathlib.Path(directory) / n).read_text()))
+            out.append((int(m.group(1)), m.group(2), f.read_text()))
     if [v for v, _, _ in out] != list(range(1, len(out) + 1)):
         raise StoreError(f"{directory}: migrations are not numbered 1..N without gaps")
     return out
@@ -153,6 +159,7 @@ class Store:
                             "name TEXT NOT NULL, applied REAL NOT NULL)")
         except sqlite3.Error as e:
             raise StoreError(_why(e, self.path)) from None
+        self._window_cols = None
         have = self.schema_version()
         if have > len(known):
             raise StoreError(f"{self.path}: schema version {have} is newer than this hakmem's ({len(known)})")
@@ -258,18 +265,36 @@ class Store:
             db.execute("UPDATE programs SET pinned_policy = NULL WHERE id = ?", (program_id,))
 
     # ---- samples and verdicts -----------------------------------------------
+    def window_columns(self) -> tuple[str, ...]:
+        """The windows table's columns but id, in table order: what the
+        migrations made it (WINDOW_KEYS, the measures, WINDOW_MIX)."""
+        cols = getattr(self, "_window_cols", None)
+        if cols is None:
+            try:
+                cols = tuple(r[1] for r in self.db.execute("PRAGMA table_info(windows)") if r[1] != "id")
+            except sqlite3.Error as e:
+                raise StoreError(_why(e, self.path)) from None
+            self._window_cols = cols
+        return cols
+
+    def window_measures(self) -> tuple[str, ...]:
+        """The columns a window measures (averaged when windows are merged)."""
+        return tuple(c for c in self.window_columns() if c not in WINDOW_KEYS and c != WINDOW_MIX)
+
     def add_windows(self, rows) -> int:
-        """rows: dicts with WINDOW_COLS keys (mix: a numpy array or None)."""
+        """rows: dicts with a key for each of window_columns() (learning.Window.row()
+        and the keys; mix: a numpy array or None). Other keys are not stored."""
+        cols = self.window_columns()
         vals = []
         for r in rows:
-            mix = r.get("mix")
-            vals.append(tuple((np.asarray(mix, dtype="<f4").tobytes() if mix is not None else None) if c == "mix"
-                              else r.get(c, 1 if c == "merged" else None) for c in WINDOW_COLS))
+            mix = r.get(WINDOW_MIX)
+            vals.append(tuple((np.asarray(mix, dtype="<f4").tobytes() if mix is not None else None)
+                              if c == WINDOW_MIX else r.get(c, 1 if c == "merged" else None) for c in cols))
         if not vals:
             return 0
         with self.tx() as db:
-            db.executemany(f"INSERT INTO windows ({', '.join(WINDOW_COLS)}) VALUES "
-                           f"({', '.join('?' * len(WINDOW_COLS))})", vals)
+            db.executemany(f"INSERT INTO windows ({', '.join(cols)}) VALUES "
+                           f"({', '.join('?' * len(cols))})", vals)
         return len(vals)
 
     def add_evaluation(self, program_id, policy_id, ev: Evaluation, learner, objective,
@@ -316,7 +341,9 @@ class Store:
         are dropped, and so are the oldest rows past max_rows."""
         now = time.time() if now is None else now
         cut = now - raw_s
-        agg = ", ".join(f"sum({c} * merged) / sum(merged)" for c in WINDOW_COLS[5:-1])
+        measures = self.window_measures()
+        agg = ", ".join(f"sum({c} * merged) / sum(merged) AS {c}" for c in measures)
+        cols = ", ".join((*WINDOW_KEYS, *measures))
         with self.tx() as db:
             before = db.execute("SELECT count(*) FROM windows").fetchone()[0]
             db.execute(
@@ -325,7 +352,7 @@ class Store:
                 f"WHERE t_end < ? AND mix IS NOT NULL GROUP BY process_id, policy_id, "
                 f"CAST(t_end / ? AS INTEGER)", (cut, bucket_s))
             db.execute("DELETE FROM windows WHERE t_end < ? AND mix IS NOT NULL", (cut,))
-            db.execute(f"INSERT INTO windows ({', '.join(WINDOW_COLS[:-1])}) SELECT * FROM merged_w")
+            db.execute(f"INSERT INTO windows ({cols}) SELECT {cols} FROM merged_w")
             db.execute("DROP TABLE merged_w")
             db.execute("DELETE FROM windows WHERE t_end < ?", (now - keep_s,))
             over = db.execute("SELECT count(*) FROM windows").fetchone()[0] - max_rows

@@ -23,12 +23,13 @@ import pytest
 import zmq
 
 from conftest import HAKMEM, ROOT, proc_start_time, run_cli, scaled, wait_for
-from hakmem import control
+from hakmem import __version__, control
 from hakmem import layout as L
 from hakmem._pb import hakmem_pb2 as pb
 from hakmem.cli import main
 from hakmem.config import users_names
-from hakmem.control import ControlError, NotRunning, StoreBackend
+from hakmem.backend import StoreBackend, read_export
+from hakmem.control import ControlError, NotRunning
 from hakmem.learning import Evaluation, canonical
 from hakmem.store import Store
 
@@ -512,7 +513,7 @@ def test_import_for_other_users(capsys, db, tmp, run_dir):
     # A format-2 file without its users is cut short.
     e.format = 2
     with pytest.raises(ControlError, match=r"^x: not a hakmem policy file \(incomplete: no users \(truncated\?\)\)$"):
-        control.read_export(e.SerializeToString(), "x")
+        read_export(e.SerializeToString(), "x")
 
 
 def test_import_refuses_corrupt_files(capsys, db, tmp, run_dir):
@@ -520,10 +521,10 @@ def test_import_refuses_corrupt_files(capsys, db, tmp, run_dir):
     f = os.path.join(tmp, "p.hkpol")
     ok(capsys, "policy", "export", "fakeprog", "-o", f, "--db", path, "--run-dir", run_dir)
     data = open(f, "rb").read()
-    control.read_export(data, "whole")                           # the whole file is fine
+    read_export(data, "whole")                                   # the whole file is fine
     for n in range(len(data)):                                    # cut anywhere: refused
         with pytest.raises(ControlError, match=r"^cut: not a hakmem policy file \("):
-            control.read_export(data[:n], "cut")
+            read_export(data[:n], "cut")
     before = sql(path, "SELECT count(*) FROM policies")
     for name, content in (("truncated", data[: len(data) // 2]), ("empty", b""),
                           ("garbage", bytes(range(256)) * 4), ("text", b"drain_ms = 5\n")):
@@ -562,7 +563,7 @@ def test_commands_through_learnd(capsys, learnd, db, tmp, run_dir):
     path, ids = db
     nodb = os.path.join(tmp, "unused.db")           # learnd answers: the --db is not read
     out = ok(capsys, "status", "--run-dir", run_dir, "--db", nodb)
-    assert out.startswith(f"hakmem-learnd {control.__version__} running, pid {os.getpid()}, up ")
+    assert out.startswith(f"hakmem-learnd {__version__} running, pid {os.getpid()}, up ")
     st = json.loads(ok(capsys, "status", "--json", "--run-dir", run_dir, "--db", nodb))["status"]
     assert st["running"] is True and st["pid"] == os.getpid() and st["db_path"] == path and st["learner"] == "fake"
 
@@ -820,12 +821,19 @@ def test_bind_refuses_unsafe_directories(tmp):
             control.bind(ctx, theirs)
 
 
-def test_bind_detects_a_second_learnd(learnd, run_dir):
-    with pytest.raises(ControlError) as e:
-        control.bind(zmq.Context.instance(), run_dir)
-    assert str(e.value) == f"another hakmem-learnd is running on {run_dir} (pid {os.getpid()})"
-    with control.Client(run_dir) as c:                                # the first one still answers
-        assert c.call(pb.Request(status=pb.StatusRequest())).ok
+def test_run_directory_lock_refuses_a_second_learnd(learnd, run_dir):
+    fd = control.lock_run_dir(run_dir)
+    try:
+        assert open(os.path.join(run_dir, "learnd.lock")).read() == f"{os.getpid()}\n"
+        with pytest.raises(ControlError) as e:
+            control.lock_run_dir(run_dir)
+        assert str(e.value) == f"another hakmem-learnd is running on {run_dir} (pid {os.getpid()}, it holds " \
+                               f"learnd.lock)"
+        with control.Client(run_dir) as c:                            # the first one still answers
+            assert c.call(pb.Request(status=pb.StatusRequest())).ok
+    finally:
+        os.close(fd)
+    os.close(control.lock_run_dir(run_dir))                           # released with its descriptor
 
 
 # ---- conversions ----------------------------------------------------------------------

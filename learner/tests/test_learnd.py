@@ -153,7 +153,7 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
     del knobs["version"]
     knobs["tcache_cap"][CLS64] = 3333
     knobs["tcache_batch"][CLS64] = 256
-    from hakmem.identity import elf_build_id
+    from hakmem.procfs import elf_build_id
     s = Store(tmp_path / "learn.db")
     pid_ = s.program(os.path.realpath(WORKLOAD), elf_build_id(str(WORKLOAD)), str(os.getuid()),
                      header["class_size"])

@@ -52,6 +52,70 @@ def test_clamp_brings_every_value_into_bounds():
     out = cx.clamp(k)
     assert valid(out, cx)
     assert out["drain_ms"] == cx.drain_ms_max
-    assert out["tcache_cap"][1:] == list(cx.cap_max[1:])
-    assert out["warm_slabs"][1:] == [0] * (C - 1)
+    assert out["tcache_cap"][1:] == tuple(cx.cap_max[1:])      # Knobs: per-class values are tuples
+    assert out["warm_slabs"][1:] == (0,) * (C - 1)
     assert cx.clamp(out) == out       # clamping twice changes nothing
+
+
+# ---- Window: every counter of the layout, merged and stored in one place ----------
+import numpy as np  # noqa: E402
+
+from hakmem.learning import Window  # noqa: E402
+
+
+def record(index, t_ns, scale):
+    """A telemetry record whose every counter is scale times (its position + 1)."""
+    r = np.zeros(1, dtype=L.RECORD)[0]
+    r["index"], r["time_ns"] = index, t_ns
+    for i, n in enumerate(L.CLASS_COUNTERS):
+        r["cls"][n] = np.arange(C) * scale * (i + 1)
+    for i, n in enumerate(L.PROC_COUNTERS):
+        r["proc"][n] = scale * (i + 1)
+    return r
+
+
+def test_window_between_records_has_every_counter_as_a_rate_or_a_gauge():
+    a, b = record(1, 0, 1), record(5, 10**9, 3)
+    w = Window.between(a, b, 2.0, t_start=10.0, t_end=12.0, minflt=4.0, rss_bytes=100.0)
+    assert w.active and set(w.cls) == set(L.CLASS_COUNTERS) and set(w.proc) == set(L.PROC_COUNTERS)
+    for i, n in enumerate(L.CLASS_COUNTERS):
+        want = np.arange(C) * 3 * (i + 1) if n in L.GAUGES else np.arange(C) * 2 * (i + 1) / 2.0
+        assert np.allclose(w.cls[n], want), n
+        assert getattr(w, n) is w.cls[n]
+    assert w.os_calls == sum((3 - 1) * (L.PROC_COUNTERS.index(n) + 1) / 2.0
+                             for n in ("mmap_calls", "munmap_calls", "madvise_calls"))
+    assert w.threads == 3 * (L.PROC_COUNTERS.index("threads") + 1)        # a gauge, at b
+    # A counter never goes back: below zero is zero.
+    back = Window.between(b, record(6, 2 * 10**9, 1), 1.0)
+    assert all((back.cls[n] >= 0).all() for n in L.CLASS_COUNTERS if n not in L.GAUGES)
+    # No newer record: gauges only, not active.
+    idle = Window.between(b, b, 1.0)
+    assert not idle.active and idle.allocs.sum() == 0 and idle.live_bytes.sum() == b["cls"]["live_bytes"].sum()
+    assert Window.between(None, None, 1.0).allocs.sum() == 0
+
+
+def test_merge_sums_processes_and_row_has_every_counter_by_name():
+    k = {"drain_ms": 1000, "tcache_cap": [0] + [64] * (C - 1), "tcache_batch": [0] + [32] * (C - 1),
+         "warm_slabs": [0] + [1] * (C - 1)}
+    a = Window.between(record(1, 0, 1), record(2, 10**9, 2), 1.0, t_start=0, t_end=1, knobs=k, minflt=1,
+                       rss_bytes=10, cpu=0.5)
+    b = Window.between(None, None, 1.0, t_start=0, t_end=1, knobs=k, minflt=2, rss_bytes=20, cpu=0.25)
+    m = Window.merge([a, b])
+    assert m.processes == 2 and m.active and m.knobs == k
+    assert (m.minflt, m.rss_bytes, m.cpu) == (3, 30, 0.75)
+    for n in L.CLASS_COUNTERS:
+        assert np.allclose(m.cls[n], a.cls[n] + b.cls[n])
+    assert Window.merge([a, b.replace(knobs=None)]).knobs is None        # a transition in one: in none
+    row = m.replace(time_cost=1.0, mem_cost=2.0, cost=3.0).row()
+    assert set(L.CLASS_COUNTERS) | set(L.PROC_COUNTERS) <= set(row)
+    assert row["allocs"] == float(m.allocs.sum()) and row["committed_bytes"] == m.committed_bytes
+    assert (row["cost"], row["os_calls"], row["rss_bytes"]) == (3.0, m.os_calls, 30)
+    assert row["mix"].dtype == np.float32 and np.allclose(row["mix"], m.allocs)
+
+
+def test_window_takes_counters_by_keyword_and_refuses_unknown_ones():
+    w = Window(0, 1, None, 1, allocs=np.ones(C), threads=4, os_calls=2.0)
+    assert w.allocs.sum() == C and w.refills.sum() == 0 and w.threads == 4 and w.os_calls == 2.0
+    import pytest
+    with pytest.raises(TypeError, match="unknown counter"):
+        Window(0, 1, None, 1, alloc=np.ones(C))

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import ROOT, clean_env, ring_path, scaled, start
 from hakmem import objective as O
+from hakmem import procfs as P
 from hakmem.config import ConfigError, load
 from hakmem.daemon import Daemon, Log, Program
 from hakmem.objective import GIB, OVER_BUDGET, Objective, ObjectiveError, parse_size
@@ -93,7 +94,7 @@ def test_budget_cost_is_time_alone_under_the_budget_and_steep_past_it():
 
 # ---- the cgroup's memory.max --------------------------------------------------------------
 def fake_proc(monkeypatch, tmp_path, pid, cgroup_text):
-    """/proc/<pid>/cgroup says cgroup_text, as objective.py reads it."""
+    """/proc/<pid>/cgroup says cgroup_text, as procfs.py reads it."""
     f = tmp_path / f"proc-{pid}-cgroup"
     f.write_text(cgroup_text)
     real = builtins.open
@@ -102,7 +103,7 @@ def fake_proc(monkeypatch, tmp_path, pid, cgroup_text):
         if str(path) == f"/proc/{pid}/cgroup":
             path = f
         return real(path, *a, **kw)
-    monkeypatch.setattr(O, "open", fake_open, raising=False)
+    monkeypatch.setattr(P, "open", fake_open, raising=False)
 
 
 def cgroup_tree(root, limits):
@@ -121,16 +122,16 @@ V1_AND_V2 = "12:memory:/v1/ignored\n4:cpu:/x\n0::/system.slice/db.service\n"
 def test_cgroup_limit_is_the_tightest_memory_max_above_the_process(tmp_path, monkeypatch):
     fake_proc(monkeypatch, tmp_path, 4242, V1_AND_V2)
     root = cgroup_tree(tmp_path / "cg", {"system.slice": 3 << 30, "system.slice/db.service": "max"})
-    assert O.cgroup_memory_limit(4242, root=root) == 3 << 30          # the parent's limit holds
+    assert P.cgroup_memory_limit(4242, root=root) == 3 << 30          # the parent's limit holds
     (tmp_path / "cg/system.slice/db.service/memory.max").write_text(f"{1 << 30}\n")
-    assert O.cgroup_memory_limit(4242, root=root) == 1 << 30          # the tighter one
+    assert P.cgroup_memory_limit(4242, root=root) == 1 << 30          # the tighter one
     (tmp_path / "cg/system.slice/memory.max").write_text(f"{512 * MIB}\n")
-    assert O.cgroup_memory_limit(4242, root=root) == 512 * MIB
+    assert P.cgroup_memory_limit(4242, root=root) == 512 * MIB
     (tmp_path / "cg/system.slice/memory.max").write_text("max\n")
     (tmp_path / "cg/system.slice/db.service/memory.max").write_text("max\n")
-    assert O.cgroup_memory_limit(4242, root=root) is None             # "max" everywhere: no limit
+    assert P.cgroup_memory_limit(4242, root=root) is None             # "max" everywhere: no limit
     # No memory.max files at all (the controller is not enabled): no limit.
-    assert O.cgroup_memory_limit(4242, root=cgroup_tree(tmp_path / "empty", {"system.slice/db.service": None})) \
+    assert P.cgroup_memory_limit(4242, root=cgroup_tree(tmp_path / "empty", {"system.slice/db.service": None})) \
         is None
 
 
@@ -138,20 +139,20 @@ def test_cgroup_limit_is_the_tightest_memory_max_above_the_process(tmp_path, mon
 def test_no_cgroup_limit_at_the_root_or_without_cgroup_v2(tmp_path, monkeypatch, text):
     fake_proc(monkeypatch, tmp_path, 4243, text)
     root = cgroup_tree(tmp_path / "cg", {".": 1 << 30, "v1/only": 1 << 30})
-    assert O.cgroup_memory_limit(4243, root=root) is None
+    assert P.cgroup_memory_limit(4243, root=root) is None
 
 
 def test_no_cgroup_limit_for_a_process_that_is_gone(tmp_path):
     p = subprocess.Popen(["true"])
     p.wait()
-    assert O.cgroup_memory_limit(p.pid, root=str(tmp_path)) is None
+    assert P.cgroup_memory_limit(p.pid, root=str(tmp_path)) is None
 
 
 def test_default_objective_is_time_under_80_percent_of_the_limit(tmp_path, monkeypatch):
     fallback = Objective(lam=0.25)
     fake_proc(monkeypatch, tmp_path, 4244, "0::/svc\n")
     root = cgroup_tree(tmp_path / "cg", {"svc": 1 << 30})
-    monkeypatch.setattr(O, "cgroup_memory_limit", functools.partial(O.cgroup_memory_limit, root=root))
+    monkeypatch.setattr(P, "cgroup_memory_limit", functools.partial(P.cgroup_memory_limit, root=root))
     o = O.default_objective(4244, fallback)
     assert o == Objective(budget_bytes=int(0.8 * (1 << 30))) and o.budget_bytes == 858993459
     assert o.describe() == "time under 819.2 MiB"
@@ -203,13 +204,13 @@ def test_cgroup_limit_of_a_real_process_in_a_child_cgroup(child_cgroup, tmp_path
     real = pathlib.Path(mnt, path.lstrip("/"), "memory.max")
     if real.exists():
         real.write_text(f"{256 * MIB}\n")
-        assert O.cgroup_memory_limit(pid, root=mnt) == 256 * MIB
+        assert P.cgroup_memory_limit(pid, root=mnt) == 256 * MIB
         real.write_text("max\n")
-        assert O.cgroup_memory_limit(pid, root=mnt) is None
+        assert P.cgroup_memory_limit(pid, root=mnt) is None
     else:
-        assert O.cgroup_memory_limit(pid, root=mnt) is None      # no memory controller here: no limit
+        assert P.cgroup_memory_limit(pid, root=mnt) is None      # no memory controller here: no limit
     root = cgroup_tree(tmp_path / "cg", {path.lstrip("/"): 256 * MIB})
-    assert O.cgroup_memory_limit(pid, root=root) == 256 * MIB
+    assert P.cgroup_memory_limit(pid, root=root) == 256 * MIB
 
 
 # ---- which objective a program gets --------------------------------------------------------
@@ -220,7 +221,7 @@ def daemon(tmp_path, monkeypatch, cgroup_limit, *config_lines, **flags):
     cfg_file.write_text("\n".join(config_lines) + "\n")
     fake_proc(monkeypatch, tmp_path, 4245, "0::/svc\n")
     root = cgroup_tree(tmp_path / "cg", {"svc": "max" if cgroup_limit is None else cgroup_limit})
-    monkeypatch.setattr(O, "cgroup_memory_limit", functools.partial(O.cgroup_memory_limit, root=root))
+    monkeypatch.setattr(P, "cgroup_memory_limit", functools.partial(P.cgroup_memory_limit, root=root))
     cfg = load(str(cfg_file), db=str(tmp_path / "x.db"), shm_dir=str(tmp_path / "shm"),
                run_dir=str(tmp_path / "run"), **flags)
     return Daemon(cfg, Log(True), store=None)

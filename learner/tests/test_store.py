@@ -412,3 +412,45 @@ def test_retention_keeps_at_most_max_rows_dropping_the_oldest(tmp_path):
 def test_learnd_retention_settings_are_the_documented_ones():
     cfg = Config()
     assert (cfg.raw_hours, cfg.keep_days, cfg.max_windows, cfg.retain_every) == (6.0, 30.0, 500_000, 600.0)
+
+
+# ---- the windows table's columns come from the migrations, its values from Window.row ----
+def test_every_window_measure_has_a_source_in_window_row(store):
+    """The columns are the table's (PRAGMA table_info), not a list here; each
+    measure must be a key of learning.Window.row() (a counter of the layout by
+    its name, a /proc measure or a cost), or learnd could not fill it."""
+    from hakmem.learning import Window
+    from hakmem.store import WINDOW_KEYS, WINDOW_MIX
+    cols = store.window_columns()
+    table = [r[1] for r in store.db.execute("PRAGMA table_info(windows)") if r[1] != "id"]
+    assert list(cols) == table and set(WINDOW_KEYS) | {WINDOW_MIX} <= set(cols)
+    assert set(VALUE_COLS) == set(store.window_measures())
+    row = Window(0.0, 1.0).row()
+    assert set(store.window_measures()) <= set(row), set(store.window_measures()) - set(row)
+
+
+def test_a_migration_adding_a_counter_column_is_stored_and_retained(tmp_path, monkeypatch):
+    """What adding a counter takes on the store's side: one migration adding
+    its column. A row key of that name (Window.row() has one per counter of
+    the layout) is then stored, and merged by retain() like every measure."""
+    from hakmem import store as store_mod
+    d = tmp_path / "sql"
+    d.mkdir()
+    for f in SCHEMA_DIR.iterdir():
+        if f.name.endswith(".sql"):
+            (d / f.name).write_text(f.read_text())
+    n = len(store_mod.migrations())
+    (d / f"{n + 1:04d}_window_probe.sql").write_text(
+        "ALTER TABLE windows ADD COLUMN probe REAL NOT NULL DEFAULT 0;\n")
+    orig = store_mod.migrations
+    monkeypatch.setattr(store_mod, "migrations", lambda directory=d: orig(directory))
+    with contextlib.closing(Store(tmp_path / "learn.db")) as s:
+        assert "probe" in s.window_measures()
+        prog = s.program("/bin/x", "b", "0", [0] * L.NUM_CLASSES, now=0)
+        proc = s.process(prog, 1, 1, 0, now=0)
+        pol = s.policy(prog, knobs(), "default", now=0)
+        day = 86400.0
+        s.add_windows([_window(proc, pol, 10.0 + i, 1.0) | {"probe": float(i)} for i in range(4)])
+        assert [r[0] for r in s.db.execute("SELECT probe FROM windows ORDER BY t_end")] == [0, 1, 2, 3]
+        s.retain(now=day)
+        assert [tuple(r) for r in s.db.execute("SELECT merged, probe FROM windows")] == [(4, 1.5)]

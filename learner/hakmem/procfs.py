@@ -1,6 +1,12 @@
-"""A program's identity: its executable and build, read from /proc/<pid>/exe.
+"""Everything hakmem-learnd and the CLI read from /proc: a process's counters
+and resident memory, its uids and start time, its cgroup's memory limit, and
+its program identity.
 
-Never from the telemetry file (its writer could claim anything). The build is
+Every reader takes a pid and returns None when the process is gone or cannot
+be read, never raising for that: a process may exit between any two reads.
+
+A program's identity is its executable and build, read from /proc/<pid>/exe,
+never from the telemetry file (its writer could claim anything). The build is
 the ELF GNU build id when the executable has one; otherwise its size and
 modification time, which change whenever the file is replaced.
 """
@@ -9,6 +15,77 @@ from __future__ import annotations
 import os
 import struct
 
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- a process's figures ---------------------------------------------------------
+def proc_stat(pid: int) -> dict | None:
+    """minflt, majflt, utime/stime (seconds), threads, start_time; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rindex(b")") + 2:].split()
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"minflt": int(rest[7]), "majflt": int(rest[9]), "utime": int(rest[11]) / hz,
+            "stime": int(rest[12]) / hz, "threads": int(rest[17]), "start_time": int(rest[19])}
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None when the
+    process is gone: with the pid, what names one process for its whole life."""
+    st = proc_stat(pid)
+    return st["start_time"] if st else None
+
+
+def proc_uids(pid: int) -> tuple[int, int, int, int] | None:
+    """(real, effective, saved, filesystem) uids of a process, or None if gone.
+    Not the owner of /proc/<pid>: that is root for a non-dumpable process."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    r, e, s, fs = (int(x) for x in line.split()[1:5])
+                    return r, e, s, fs
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def proc_rss(pid: int) -> int | None:
+    """Resident bytes (/proc/<pid>/statm), or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cgroup_memory_limit(pid: int, root: str = "/sys/fs/cgroup") -> int | None:
+    """The tightest memory.max (cgroup v2) above the process, or None."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    path = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), None)
+    if path is None:
+        return None
+    best = None
+    parts = [p for p in path.split("/") if p]
+    for i in range(len(parts), 0, -1):
+        try:
+            with open(os.path.join(root, *parts[:i], "memory.max")) as f:
+                v = f.read().strip()
+        except OSError:
+            continue
+        if v != "max":
+            best = int(v) if best is None else min(best, int(v))
+    return best
+
+
+# ---- program identity -----------------------------------------------------------
 NT_GNU_BUILD_ID = 3
 PT_NOTE = 4
 
@@ -68,7 +145,7 @@ def elf_build_id(path: str) -> str | None:
 STALLABLE = ("fuse", "fuseblk", "fuse.")
 
 
-def _mount_of(pid: int, path: str) -> str | None:
+def mount_fstype(pid: int, path: str) -> str | None:
     """The file system type of the mount that holds path, as process pid
     sees its mounts (/proc/<pid>/mountinfo: reading it touches no file
     system of the process's choosing)."""
@@ -103,7 +180,7 @@ def program_identity(pid: int) -> tuple[str, str] | None:
     except OSError:
         return None
     exe = exe.removesuffix(" (deleted)")
-    fstype = _mount_of(pid, exe)
+    fstype = mount_fstype(pid, exe)
     if fstype is None or fstype.startswith(STALLABLE):
         return exe, f"unverified:{fstype or 'unknown'}"
     try:

@@ -1,0 +1,231 @@
+"""The policy's knobs: one immutable type, every name, bound and rule taken
+from the layout (schemas/shm_layout.json "knobs", generated into _layout.py).
+
+A `Knobs` is what the allocator runs: per-process knobs (drain_ms) as ints,
+per-class knobs (tcache_cap, tcache_batch, warm_slabs) as tuples of
+NUM_CLASSES ints, class 0 (huge objects) always 0. It reads like the dict the
+rest of hakmem passes around (k["tcache_cap"][c], also k.tcache_cap), is
+immutable and hashable, and converts to and from every form a policy takes:
+
+    the dict form      to_dict() / Knobs(d)    ring writer, SQLite JSON, CLI
+    protobuf           to_pb() / from_pb(m)    control socket, .hkpolicy files
+    the policy slot    ring.encode_slot / Ring.slot_to_policy (via the dict form)
+
+`Bounds` are a process's published bounds (its ring header: cap_max,
+warm_max, batch_max, drain_ms_max), with which `clamp` brings any policy
+into bounds and `check` names the first value out of them, the allocator's
+own rule (options.c: policy_valid): a policy with any value out of bounds is
+rejected whole.
+
+A new knob is a layout change (schemas/shm_layout.json), nothing here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from . import _layout
+from . import layout as L
+
+SPEC: dict[str, dict] = {k["name"]: k for k in _layout.KNOBS}
+NAMES: tuple[str, ...] = tuple(SPEC)                                     # slot order
+PER_CLASS: tuple[str, ...] = tuple(n for n in NAMES if SPEC[n]["per_class"])
+PER_PROCESS: tuple[str, ...] = tuple(n for n in NAMES if not SPEC[n]["per_class"])
+ORDER: tuple[str, ...] = PER_PROCESS + PER_CLASS    # the dict form's (and the store's JSON) key order
+VERSION: str = _layout.VERSION
+
+
+def _rule_of(name: str) -> dict | None:
+    """The default rule {"of": KNOB, "div": D, "lo": L, "hi": H} of a knob
+    derived from another (tcache_batch: cap/2, at most 256)."""
+    d = SPEC[name]["default"]
+    return d if isinstance(d, dict) and "of" in d else None
+
+
+_BATCH = next(n for n in NAMES if _rule_of(n))                 # tcache_batch
+_BATCH_RULE = _rule_of(_BATCH)
+
+
+def default_batch(cap: int, batch_max: int | None = None) -> int:
+    """The batch the allocator's default pairs with a capacity: cap/2, at
+    least 1, at most 256 and at most batch_max (the layout's rule)."""
+    top = _BATCH_RULE["hi"] if batch_max is None else min(_BATCH_RULE["hi"], batch_max)
+    return max(_BATCH_RULE["lo"], min(int(cap) // _BATCH_RULE["div"], top))
+
+
+class KnobsError(ValueError):
+    """Knobs of the wrong shape, or a value out of bounds, in one line."""
+
+
+def _as_int(name: str, v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise KnobsError(f"{name}: {v!r} is not a whole number") from None
+
+
+class Knobs(Mapping):
+    """One policy, immutable. Knobs(mapping) takes any dict-like form with
+    every knob (other keys, such as a slot's "version", are ignored)."""
+
+    __slots__ = ("_v", "_hash")
+
+    def __init__(self, values: Mapping | None = None, /, **kw):
+        src = dict(values or {}, **kw)
+        v: dict[str, int | tuple[int, ...]] = {}
+        for name in ORDER:
+            if name not in src:
+                raise KnobsError(f"knobs: {name} is missing")
+            if name in PER_CLASS:
+                t = tuple(_as_int(name, x) for x in src[name])
+                if len(t) != L.NUM_CLASSES:
+                    raise KnobsError(f"{name} has {len(t)} classes, the layout has {L.NUM_CLASSES}")
+                v[name] = t
+            else:
+                v[name] = _as_int(name, src[name])
+        object.__setattr__(self, "_v", v)
+        object.__setattr__(self, "_hash", None)
+
+    @classmethod
+    def of(cls, knobs: Mapping) -> "Knobs":
+        """knobs as Knobs (itself when it is one already)."""
+        return knobs if isinstance(knobs, Knobs) else cls(knobs)
+
+    # ---- read-only mapping ----------------------------------------------------
+    def __getitem__(self, name: str):
+        return self._v[name]
+
+    def __iter__(self):
+        return iter(ORDER)
+
+    def __len__(self) -> int:
+        return len(NAMES)
+
+    def __getattr__(self, name: str):
+        try:
+            return object.__getattribute__(self, "_v")[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Knobs are immutable: use replace()")
+
+    def __delattr__(self, name):
+        raise AttributeError("Knobs are immutable")
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Knobs):
+            return self._v == other._v
+        if isinstance(other, Mapping):
+            try:
+                return self._v == Knobs(other)._v
+            except (KnobsError, TypeError):
+                return False
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash(tuple(self._v[n] for n in ORDER)))
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Knobs(drain_ms={self._v.get('drain_ms')}, digest={self.digest()[:12]})"
+
+    def __reduce__(self):
+        return (Knobs, (self.to_dict(),))
+
+    # ---- new policies from this one ------------------------------------------------
+    def replace(self, **changes) -> "Knobs":
+        """A copy with some knobs changed: a per-process knob by value, a
+        per-class one by a whole sequence or by {class: value}."""
+        d = self.to_dict()
+        for name, val in changes.items():
+            if name not in SPEC:
+                raise KnobsError(f"unknown knob {name!r} (knobs: {', '.join(NAMES)})")
+            if name in PER_CLASS and isinstance(val, Mapping):
+                for c, x in val.items():
+                    d[name][int(c)] = x
+            else:
+                d[name] = val
+        return Knobs(d)
+
+    def clamp(self, bounds: "Bounds") -> "Knobs":
+        """The nearest policy inside bounds: each value fitted into its
+        class's min..max, then under the knob it may not exceed (batch <=
+        cap, or 1 when cap is 0), class 0 zero."""
+        d = self.to_dict()
+        for name in NAMES:
+            lo, hi, at_most = bounds.lo[name], bounds.hi[name], SPEC[name].get("at_most")
+            if name in PER_PROCESS:
+                d[name] = min(max(d[name], lo), hi)
+                continue
+            d[name][0] = 0
+            for c in range(1, L.NUM_CLASSES):
+                v = min(max(d[name][c], lo), hi[c])
+                if at_most:
+                    v = min(v, max(d[at_most][c], lo))
+                d[name][c] = v
+        return Knobs(d)
+
+    def check(self, bounds: "Bounds", class_size=None) -> None:
+        """Raises KnobsError naming the first value out of bounds (the
+        allocator rejects such a policy whole)."""
+        for name in PER_PROCESS:
+            lo, hi = bounds.lo[name], bounds.hi[name]
+            if not lo <= self._v[name] <= hi:
+                raise KnobsError(f"{name}={self._v[name]} is outside {lo}..{hi}")
+        for c in range(1, L.NUM_CLASSES):
+            where = f" (class {class_size[c]} B)" if class_size is not None else ""
+            for name in PER_CLASS:
+                v, lo, hi, at_most = self._v[name][c], bounds.lo[name], bounds.hi[name][c], SPEC[name].get("at_most")
+                note = ""
+                if at_most:
+                    hi, note = min(hi, max(self._v[at_most][c], lo)), " (at most the capacity)"
+                if not lo <= v <= hi:
+                    raise KnobsError(f"{name}[{c}]={v}{where} is outside {lo}..{hi}{note}")
+        for name in PER_CLASS:
+            if self._v[name][0] != 0:
+                raise KnobsError(f"{name}[0] must be 0 (class 0 is huge objects, which have no knobs)")
+
+    # ---- forms ----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The dict form (plain ints, lists, ORDER): what the ring writer
+        takes, the store keeps as JSON, and a caller may change freely."""
+        return {n: (list(v) if isinstance(v, tuple) else v) for n, v in self._v.items()}   # _v is in ORDER
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON: the store's identity of a policy."""
+        return hashlib.sha256(json.dumps(self.to_dict(), separators=(",", ":")).encode()).hexdigest()
+
+    def to_pb(self):
+        from ._pb import hakmem_pb2 as pb
+        return pb.Knobs(**self.to_dict())
+
+    @classmethod
+    def from_pb(cls, msg) -> "Knobs":
+        return cls({n: (list(getattr(msg, n)) if n in PER_CLASS else getattr(msg, n)) for n in ORDER})
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """Per knob, its least value and its greatest (per class for a
+    per-class knob), as a process publishes them in its ring header."""
+    lo: Mapping[str, int]
+    hi: Mapping[str, Any]              # int, or a tuple per class
+
+    @classmethod
+    def from_header(cls, header: Mapping) -> "Bounds":
+        """From a ring header (or anything with its <bounds>_max fields)."""
+        lo, hi = {}, {}
+        for name in NAMES:
+            lo[name] = int(SPEC[name]["min"])
+            top = header[f"{SPEC[name]['bounds']}_max"]
+            if name in PER_CLASS:
+                hi[name] = (tuple(int(x) for x in top) if not isinstance(top, (int, float))
+                            else (int(top),) * L.NUM_CLASSES)
+            else:
+                hi[name] = int(top)
+        return cls(lo=lo, hi=hi)

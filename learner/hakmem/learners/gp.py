@@ -1,0 +1,546 @@
+"""The learner proper: Gaussian-process Bayesian optimisation in a trust
+region, with rollback (see the package's docstring for how it searches).
+
+Its parameters are one frozen dataclass, `GPParams`; its phases a `Phase`."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+import warnings
+
+import numpy as np
+
+from ..knobs import Knobs
+from ..learning import Context, Decision, Evaluation, Prior, Window, digest, same
+from ..objective import format_size
+from .base import Reporting, _active, _Meter, _mean_windows, _pct, _push, _rate, _Run, _start_decision
+from .space import PolicySpace
+
+
+@dataclasses.dataclass(frozen=True)
+class GPParams:
+    """Everything that tunes the GP learner. Windows are sampling periods."""
+    seed: int = 0                   # candidates' order and random points, the GP's restarts
+    radius: float = 1.0             # the trust region's first radius (log2 units)
+    radius_min: float = 0.25
+    radius_max: float = 2.0
+    shrink: float = 0.5             # the radius after a rollback
+    grow: float = 1.5               # ... after an accepted candidate
+    warmup_windows: int = 3         # the starting policy measured this long first (at least 2)
+    trial_windows: int = 3          # a candidate's windows before a verdict (at least 2)
+    remeasure_every: int = 4        # every so many trials, the incumbent is measured again ...
+    remeasure_windows: int = 3      # ... for this many windows
+    settle_after: int = 3           # failures at the smallest radius that settle the search
+    report_every: int = 10          # windows per "measured" evaluation of a steady policy
+    mix_threshold: float = 0.5      # L1 distance of the size mix that starts the search again ...
+    trial_windows_max: int = 8      # a better but inconclusive candidate runs up to this long
+    flat_after: int = 6             # inconclusive trials in a row that settle the search
+    stall_windows: int = 10         # windows a candidate may stay unapplied before a rollback
+    mix_windows: int = 3            # ... when it holds this many windows
+    max_hot: int = 3                # hot classes with dimensions of their own
+    n_random: int = 64              # random candidates per proposal
+    min_margin: float = 0.005       # the least improvement accepted, a share of the cost
+    prior_sd: float = 0.01          # the noise assumed before any is measured (relative)
+    max_points: int = 150           # points the GP is fitted to
+    evidence_weight: float = 0.01   # how much the counters tip expected improvement
+    random_dims: float = 1.0        # dimensions a random candidate moves, on average
+
+    def __post_init__(self):
+        object.__setattr__(self, "warmup_windows", max(2, self.warmup_windows))
+        object.__setattr__(self, "trial_windows", max(2, self.trial_windows))
+        object.__setattr__(self, "trial_windows_max", max(self.trial_windows, self.trial_windows_max))
+
+
+class Phase(enum.Enum):
+    WARMUP = "warmup"       # measuring the starting policy
+    SEARCH = "search"       # proposing and judging candidates
+    SETTLED = "settled"     # keeping the incumbent until the size mix changes
+
+
+@dataclasses.dataclass
+class _Cand:
+    x: np.ndarray
+    knobs: Knobs
+    evidence: float = 0.0
+    why: str = ""
+
+
+class GPLearner(Reporting):
+    """Gaussian-process Bayesian optimisation in a trust region, with rollback."""
+
+    name = "gp"
+
+    def __init__(self, params: GPParams | None = None, **overrides):
+        """GPLearner(), GPLearner(GPParams(...)), or GPParams' fields as
+        keywords: GPLearner(seed=3)."""
+        self.p = dataclasses.replace(params or GPParams(), **overrides)
+        self.ctx: Context | None = None
+
+    def __getattr__(self, name):
+        # The parameters read as the learner's own (lrn.warmup_windows).
+        if name in GPParams.__dataclass_fields__ and "p" in self.__dict__:
+            return getattr(self.__dict__["p"], name)
+        raise AttributeError(name)
+
+    # -- protocol ------------------------------------------------------------------
+    def start(self, ctx: Context, incumbent, history: list[Prior]) -> Decision | None:
+        self.ctx = ctx
+        self._rng = np.random.default_rng(self.p.seed)
+        self._inc, first = _start_decision(ctx, incumbent, history)
+        self._history = list(history)
+        self._seeded = False
+        # Starting from a stored best: the optimum is likely near, small steps.
+        warm = bool(history) and first is not None
+        self._radius0 = self.p.radius / 2 if warm else self.p.radius
+        self._pending: list[Evaluation] = []
+        # Every window measured under a known policy, and the ones among
+        # them that carry allocation counts (a record was written in them).
+        self._recent: collections.deque[Window] = collections.deque(maxlen=max(8, self.p.warmup_windows))
+        self._counted: collections.deque[Window] = collections.deque(maxlen=max(8, self.p.warmup_windows))
+        self._work: collections.deque[float] = collections.deque(maxlen=30)   # allocations/s of counted windows
+        self._meter = _Meter(self.p.report_every)    # explore=False only
+        self._idle = False
+        self._reset_search()
+        return first
+
+    def observe(self, w: Window) -> Decision | None:
+        if self.ctx is None:
+            raise RuntimeError("observe() before start()")
+        if w.knobs is None:
+            # A transition: evidence for neither policy. A candidate that stays
+            # unconfirmed was never applied: the allocator looks at a new
+            # policy when a thread allocates (a slow path or a check-in), and
+            # this program's threads stopped allocating.
+            t = self._trial
+            if t is not None and t.n == 0:
+                self._stall += 1
+                if self._stall >= self.p.stall_windows:
+                    self._trial = None
+                    self._stall = 0
+                    self._settle()
+                    return Decision(self._inc, "rollback",
+                                    f"the program did not apply the candidate in {self.p.stall_windows} windows "
+                                    f"(its processes allocate but none took it up): back to the "
+                                    f"incumbent, settled", self._take())
+            return None
+        self._stall = 0
+        # Every window is evidence of what its policy costs: a busy one without
+        # a record is a policy that served every call from the caches, a quiet
+        # one is a program whose memory is the whole cost (caches parked in
+        # sleeping threads). Only counted windows say anything about the size
+        # mix and the hot classes.
+        self._idle = not w.busy
+        counted = _active(w)
+        if counted:
+            self._work.append(float(np.sum(w.allocs)))
+            w = self._per_work(w)
+        self._recent.append(w)
+        if counted:
+            self._counted.append(w)
+        if not self.ctx.explore:
+            _push(self._pending, self._meter.add(w))
+            if same(w.knobs, self._inc):
+                self._inc_costs.append(float(w.cost))
+            return None
+        d = self._check_mix() if counted else None
+        if d is not None:
+            return d
+        if self._trial is not None:
+            if not same(w.knobs, self._trial.knobs):
+                return None
+            self._trial.add(w)
+            return self._judge()
+        if not same(w.knobs, self._inc):
+            return None
+        self._inc_add(w)
+        if self._phase is Phase.WARMUP:
+            if len(self._inc_costs) < self.p.warmup_windows:
+                return None
+            self._begin()
+            return self._propose()
+        if self._phase is Phase.SETTLED:
+            if self._inc_run.n >= self.p.report_every:
+                _push(self._pending, [self._inc_run.evaluation("measured")])
+                self._inc_run = _Run(self._inc)
+                self._close_segment(self._inc_seg)
+                self._inc_seg = _Run(self._inc)
+            return None
+        self._since += 1
+        if self._since < self._need:
+            return None
+        return self._propose()
+
+    def incumbent(self) -> tuple[Knobs, float | None]:
+        if self.ctx is None:
+            raise RuntimeError("incumbent() before start()")
+        return self._inc, self._inc_mean()
+
+    def _per_work(self, w: Window) -> Window:
+        """The window with its time cost per unit of the program's usual work.
+        How much a program allocates in one window is its own business (a
+        1 s window over a 400 ms cycle holds two cycles or three); what a
+        policy decides is the allocator time each allocation costs, so the
+        time is scaled to the program's mean allocation rate."""
+        ref = float(np.mean(self._work))
+        t = float(w.time_cost) * ref / float(np.sum(w.allocs))
+        return w.replace(time_cost=t, cost=t + float(w.mem_cost))
+
+    def state(self) -> str:
+        if self.ctx is None or self._idle:
+            return "idle"
+        if not self.ctx.explore:
+            return "measuring" if len(self._inc_costs) < self.p.warmup_windows else "settled"
+        if self._phase is Phase.WARMUP:
+            return "measuring"
+        return "settled" if self._phase is Phase.SETTLED else "exploring"
+
+    def flush(self) -> list[Evaluation]:
+        if self.ctx is None:
+            return []
+        out, self._pending = self._pending, []
+        if not self.ctx.explore:
+            return out + self._meter.flush()
+        if self._inc_run.n:
+            out.append(self._inc_run.evaluation("measured"))
+            self._inc_run = _Run(self._inc)
+        # A trial cut short still measured something; its verdict, if it
+        # gets one later, covers these windows again.
+        if self._trial is not None and self._trial.n:
+            out.append(self._trial.evaluation("measured", self._inc, self._inc_mean()))
+        return out
+
+    # -- introspection ----------------------------------------------------------------
+    @property
+    def space(self) -> PolicySpace | None:
+        return self._space
+
+    @property
+    def radius(self) -> float:
+        return self._radius
+
+    # -- state -----------------------------------------------------------------------
+    def _reset_search(self) -> None:
+        self._phase = Phase.WARMUP
+        self._space: PolicySpace | None = None
+        self._ref_mix: np.ndarray | None = None
+        self._mix_over = 0
+        self._trial: _Run | None = None
+        self._inc_x: np.ndarray | None = None
+        self._inc_costs: collections.deque[float] = collections.deque(maxlen=10)
+        self._inc_run = _Run(self._inc)       # incumbent windows not reported yet
+        self._inc_seg = _Run(self._inc)       # the incumbent's current unbroken stretch, for the noise
+        self._segments: collections.deque[tuple[float, int]] = collections.deque(maxlen=12)
+        self._X: list[np.ndarray] = []
+        self._y: list[float] = []
+        # The GP models log(cost / the first incumbent's cost): costs are
+        # positive, knobs act on them by factors, and the noise is relative.
+        self._scale = 0.0                     # the incumbent's cost in those units
+        self._radius = self._radius0
+        self._fails_at_min = 0
+        self._flat = 0            # inconclusive trials in a row
+        self._stall = 0           # windows since the candidate was written, none confirmed
+        self._trials = 0
+        self._tabu: set[str] = set()
+        self._since = 0
+        self._need = 1
+
+    def _inc_add(self, w: Window) -> None:
+        self._inc_costs.append(float(w.cost))
+        self._inc_run.add(w)
+        self._inc_seg.add(w)
+
+    def _inc_mean(self) -> float | None:
+        return float(np.mean(self._inc_costs)) if self._inc_costs else None
+
+    def _close_segment(self, run: _Run) -> None:
+        ss, df = run.rel_ss()
+        if df:
+            self._segments.append((ss, df))
+
+    def _rel_sd(self) -> float:
+        """Window-to-window noise relative to the cost, pooled over recent runs
+        with a weak prior (2 degrees of freedom) so three windows cannot claim
+        the noise is nil."""
+        ss = 2 * self.p.prior_sd ** 2
+        df = 2
+        for s, d in [*self._segments, self._inc_seg.rel_ss()]:
+            ss, df = ss + s, df + d
+        return max(math.sqrt(ss / df), 1e-3)
+
+    def _add_point(self, x: np.ndarray, y: float) -> None:
+        self._X.append(np.asarray(x, dtype=float))
+        self._y.append(float(y))
+        if len(self._X) > self.p.max_points:
+            del self._X[0], self._y[0]
+
+    # -- warm-up done: the space, the reference mix, the priors ------------------------------
+    def _begin(self) -> None:
+        counted = list(self._counted)[-self.p.warmup_windows:]
+        self._space = PolicySpace(self.ctx, self._inc, counted or list(self._recent)[-self.p.warmup_windows:],
+                                  self.p.max_hot)
+        self._ref_mix = np.mean([w.mix() for w in counted], axis=0) if counted else None
+        self._mix_over = 0
+        self._inc_x = self._space.from_knobs(self._inc)
+        self._add_point(self._inc_x, self._scale)
+        if not self._seeded:
+            self._seeded = True
+            # Stored costs were measured under other loads; only their ratio
+            # to the incumbent's own stored cost carries over.
+            ref = next((p.cost_mean for p in self._history if same(p.knobs, self._inc)), None)
+            ref = ref or self._inc_mean()
+            for p in self._history:
+                if ref and ref > 0 and p.cost_mean > 0 and not same(p.knobs, self._inc):
+                    self._add_point(self._space.from_knobs(self.ctx.clamp(p.knobs)), math.log(p.cost_mean / ref))
+        self._phase = Phase.SEARCH
+
+    # -- mix change ------------------------------------------------------------------
+    def _check_mix(self) -> Decision | None:
+        if len(self._counted) < self.p.mix_windows:
+            return None
+        m = np.mean([w.mix() for w in list(self._counted)[-self.p.mix_windows:]], axis=0)
+        if self._ref_mix is None:   # the search began before any window had counts
+            self._ref_mix = m
+            return None
+        dist = float(np.abs(m - self._ref_mix).sum())
+        self._mix_over = self._mix_over + 1 if dist > self.p.mix_threshold else 0
+        if self._mix_over < self.p.mix_windows:
+            return None
+        evs = []
+        if self._trial is not None and self._trial.n:
+            evs.append(self._trial.evaluation("measured", self._inc, self._inc_mean()))
+        if self._inc_run.n:
+            evs.append(self._inc_run.evaluation("measured"))
+        hot = PolicySpace.hot_classes(list(self._counted)[-self.p.mix_windows:], self.p.max_hot)
+        top = ", ".join(f"{self.ctx.class_size[c]}B {m[c] * 100:.0f}%" for c in hot) or "nothing hot"
+        self._reset_search()
+        _push(self._pending, evs)
+        return Decision(self._inc, "relearn",
+                        f"relearn: size mix moved {dist:.2f} (L1) for {self.p.mix_windows} windows; now {top}",
+                        self._take())
+
+    # -- a trial's verdict -------------------------------------------------------------
+    def _judge(self) -> Decision | None:
+        t = self._trial
+        inc = max(self._inc_mean(), 1e-300)     # a budget objective can price a window at 0
+        rel = self._rel_sd()
+        n_inc = max(len(self._inc_costs), 1)
+        se = rel * inc * math.sqrt(1 / t.n + 1 / n_inc)
+        diff = t.mean - inc
+        margin = max(2 * se, self.p.min_margin * inc)
+        if t.n < self.p.trial_windows:
+            # Clearly worse after two windows: no third window of a bad policy.
+            if not (t.n >= 2 and diff > max(3 * se, 4 * self.p.min_margin * inc)):
+                return None
+        elif diff < 0 and -diff <= margin and t.n < self.p.trial_windows_max:
+            # Better, but not yet beyond the noise: a noisy program (phases
+            # aliasing with the window) needs more windows, not a verdict.
+            return None
+        if -diff > margin:
+            verdict = "accepted"
+        else:
+            verdict = "rolled_back" if diff > margin else "rejected"
+        ev = t.evaluation(verdict, self._inc, inc)
+        self._close_segment(t)
+        self._add_point(t.x, self._scale + math.log(max(t.mean, 1e-300) / inc))
+        self._trial = None
+        self._trials += 1
+        self._since = 0
+        self._need = self.p.remeasure_windows if self._trials % self.p.remeasure_every == 0 else 1
+        _push(self._pending, [ev])
+        change = f"cost {_pct(diff / inc)} vs incumbent (noise {rel * 100:.1f}%)"
+        if verdict == "accepted":
+            self._scale += math.log(max(t.mean, 1e-300) / inc)
+            self._inc, self._inc_x = t.knobs, t.x
+            self._inc_costs = collections.deque(t.cost, maxlen=10)
+            self._inc_run, self._inc_seg = _Run(t.knobs), _Run(t.knobs)
+            self._radius = min(self._radius * self.p.grow, self.p.radius_max)
+            self._fails_at_min = 0
+            self._flat = 0
+            self._tabu.clear()
+            return Decision(t.knobs, "accept", f"accept: {change}", self._take())
+        self._tabu.add(digest(t.knobs))
+        at_min = t.radius <= self.p.radius_min + 1e-9
+        self._fails_at_min = self._fails_at_min + 1 if at_min else 0
+        # Clearly worse: look closer. Within the noise: a smaller step would
+        # be harder still to tell from noise, so the region keeps its size.
+        self._flat = self._flat + 1 if verdict == "rejected" else 0
+        if verdict == "rolled_back":
+            self._radius = max(self._radius * self.p.shrink, self.p.radius_min)
+        self._inc_seg = _Run(self._inc)
+        word = "roll back" if verdict == "rolled_back" else "reject (within noise), back to incumbent"
+        reason = f"{word}: {change}" + ("" if t.n >= self.p.trial_windows else f" after {t.n} windows")
+        if self._fails_at_min >= self.p.settle_after:
+            self._settle()
+            reason += f"; settled after {self._fails_at_min} failures at the smallest step"
+        elif self._flat >= self.p.flat_after:
+            self._settle()
+            reason += f"; settled after {self._flat} trials in a row within the noise"
+        return Decision(self._inc, "rollback", reason, self._take())
+
+    def _settle(self) -> None:
+        self._phase = Phase.SETTLED
+
+    # -- the next proposal -----------------------------------------------------------
+    def _propose(self) -> Decision | None:
+        if self._inc_run.n >= self.p.remeasure_windows:
+            _push(self._pending, [self._inc_run.evaluation("measured")])
+            self._inc_run = _Run(self._inc)
+        cands = self._candidates()
+        while not cands and self._radius > self.p.radius_min + 1e-9:
+            self._radius = max(self._radius * self.p.shrink, self.p.radius_min)
+            cands = self._candidates()
+        if not cands:
+            self._settle()
+            return None
+        c, how = self._choose(cands)
+        self._close_segment(self._inc_seg)
+        self._inc_seg = _Run(self._inc)
+        self._trial = _Run(c.knobs, c.x, self._radius)
+        self._phase = Phase.SEARCH
+        parts = self._space.describe(c.knobs, self._inc) or ["a nearby policy"]
+        if c.why:
+            parts[0] += f" ({c.why})"
+        return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [{how}]", self._take())
+
+    def _evidence(self) -> dict[tuple[int, int], tuple[float, str]]:
+        """What the incumbent's counters say about each coordinate step:
+        (dim, +1/-1) -> (score, why). Positive: the counters argue for it."""
+        sp = self._space
+        ws = [w for w in self._recent if same(w.knobs, self._inc)][-self.p.warmup_windows:] or list(self._recent)[-1:]
+        a, r = _mean_windows(ws, "allocs"), _mean_windows(ws, "refills")
+        cached = _mean_windows(ws, "cached_bytes")
+        # The share of the allocator's time each class's slow path takes:
+        # refills are cheap or dear depending on the batch, this is not.
+        slow = _mean_windows(ws, "slow_ns") * 1e-9 / max(float(np.mean([w.time_cost for w in ws])), 1e-12)
+        os_churn = _mean_windows(ws, "slabs_from_os") + _mean_windows(ws, "slabs_to_os")
+        rss = max(float(np.mean([w.rss_bytes for w in ws])), 1.0)
+        cost = max(float(np.mean([w.cost for w in ws])), 1e-300)
+        # What parked blocks cost under the objective (nothing under a memory
+        # budget not yet reached), as a share of the cost: not their bytes.
+        mem_share = self.ctx.objective.mem_cost(rss) / rss * cached / cost
+        out: dict[tuple[int, int], tuple[float, str]] = {}
+        for i, (kind, c) in enumerate(sp.dims):
+            if kind == "cap":
+                ratio = r[c] / a[c] if a[c] > 0 else 0.0
+                if r[c] > 50 and (ratio > 1e-3 or slow[c] > 0.1):
+                    s = 1 + (min(2.0, math.log10(ratio / 1e-3)) if ratio > 1e-3 else min(1.0, slow[c]))
+                    out[(i, 1)] = (s, f"refills {_rate(r[c])}/s, {ratio * 100:.2g}% of allocs, "
+                                      f"{slow[c] * 100:.0f}% of the time")
+                    out[(i, -1)] = (-s, "")
+                elif (r[c] < 50 or ratio < 1e-4) and slow[c] < 0.1 and mem_share[c] > 0.02:
+                    s = 0.5 + min(1.0, 10 * mem_share[c])
+                    out[(i, -1)] = (s, f"{format_size(cached[c])} cached, refills {_rate(r[c])}/s")
+            elif kind == "warm":
+                if os_churn[c] > 1:
+                    s = 1 + min(2.0, math.log10(os_churn[c]))
+                    out[(i, 1)] = (s, f"slabs to/from the OS {_rate(os_churn[c])}/s")
+                    out[(i, -1)] = (-s, "")
+            elif kind == "rest":
+                rest = sp.rest_classes()
+                ra, rr = a[rest].sum(), r[rest].sum()
+                if rr > 50 and ra > 0 and rr / ra > 1e-2:
+                    out[(i, 1)] = (1.0, f"other classes refill {_rate(rr)}/s")
+                elif rr < 50 and mem_share[rest].sum() > 0.05:
+                    out[(i, -1)] = (0.5, f"other classes hold {format_size(cached[rest].sum())}")
+        return out
+
+    def _candidates(self) -> list[_Cand]:
+        sp, x0, r = self._space, self._inc_x, self._radius
+        seen = set(self._tabu) | {digest(self._inc)}
+        ev = self._evidence()
+        out: list[_Cand] = []
+
+        def add(x: np.ndarray, score: float = 0.0, why: str = "") -> None:
+            k = sp.to_knobs(x)
+            dg = digest(k)
+            if dg in seen:
+                return
+            seen.add(dg)
+            out.append(_Cand(sp.from_knobs(k), k, score, why))
+
+        # Coordinate steps first, in a seeded order so ties do not always
+        # favour the first class.
+        for i in self._rng.permutation(sp.ndim):
+            for sgn in (1, -1):
+                x = x0.copy()
+                x[i] = np.clip(x0[i] + sgn * r, sp.lo[i], sp.hi[i])
+                if abs(x[i] - x0[i]) > 1e-6:
+                    add(x, *ev.get((int(i), sgn), (0.0, "")))
+        # Steps the counters argue for as a whole: no single cache parks
+        # enough memory to show above the noise when a program spreads it over
+        # many classes, and every warm pool that churns with the OS wants the
+        # same thing.
+        for sgn, kinds in ((-1, ("cap", "rest")), (1, ("warm",))):
+            idx = [i for i, (kind, _) in enumerate(sp.dims) if kind in kinds and ev.get((i, sgn), (0.0, ""))[0] > 0]
+            if len(idx) >= 2:
+                x = x0.copy()
+                x[idx] = np.clip(x0[idx] + sgn * r, sp.lo[idx], sp.hi[idx])
+                whys = [ev[(i, sgn)][1] for i in idx if ev[(i, sgn)][1]]
+                add(x, sum(ev[(i, sgn)][0] for i in idx), f"together: {'; '.join(whys)}" if whys else "together")
+        # A warm pool sized by what it gives back: a second's worth of the
+        # slabs the class returns to the OS, where a step would be too small
+        # to see (each slab given back is a page fault or more to take again).
+        ws = [w for w in self._recent if same(w.knobs, self._inc)][-self.p.warmup_windows:]
+        to_os = _mean_windows(ws, "slabs_to_os") if ws else None
+        for i, (kind, c) in enumerate(sp.dims):
+            if kind != "warm" or to_os is None or ev.get((i, 1), (0.0, ""))[0] <= 0:
+                continue
+            target = self._inc["warm_slabs"][c] + math.ceil(float(to_os[c]))
+            xt = min(math.log2((target + 1) / (sp.base_warm[c] + 1)), float(sp.hi[i]))
+            if xt > x0[i] + r + 1e-6:
+                x = x0.copy()
+                x[i] = xt
+                add(x, ev[(i, 1)][0] + 1.0, f"{_rate(float(to_os[c]))} slabs/s returned to the OS")
+        # Random points in the region, moving a few dimensions at once.
+        p = min(1.0, self.p.random_dims / sp.ndim)
+        for _ in range(self.p.n_random):
+            mask = self._rng.random(sp.ndim) < p
+            if not mask.any():
+                mask[self._rng.integers(sp.ndim)] = True
+            x = x0 + mask * self._rng.uniform(-r, r, sp.ndim)
+            add(np.clip(x, sp.lo, sp.hi))
+        return out
+
+    def _choose(self, cands: list[_Cand]) -> tuple[_Cand, str]:
+        # Too few distinct points for a surface: the counters decide.
+        distinct = {tuple(np.round(x, 6)) for x in self._X}
+        ei = self._expected_improvement(np.array([c.x for c in cands])) if len(distinct) >= 3 else None
+        if ei is None:
+            coord = [i for i, c in enumerate(cands) if c.evidence > 0] or list(range(len(cands)))
+            best = max(coord, key=lambda i: (cands[i].evidence, -i))
+            return cands[best], "counters" if cands[best].evidence > 0 else "first step"
+        # EI is a share of the incumbent's cost (log units); the counters tip
+        # the balance by evidence_weight per unit, a hint the GP can outvote.
+        key = ei + self.p.evidence_weight * np.array([c.evidence for c in cands])
+        best = int(np.argmax(key))
+        pct = ei[best] * 100     # log units: a share of the cost
+        return cands[best], f"EI {pct:.0f}%" if pct >= 10 else f"EI {pct:.2g}%"
+
+    def _expected_improvement(self, Xc: np.ndarray) -> np.ndarray | None:
+        from scipy.special import ndtr
+        from sklearn.gaussian_process import GaussianProcessRegressor
+        from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
+
+        sp = self._space
+        span = np.where(sp.hi > sp.lo, sp.hi - sp.lo, 1.0)
+        X = (np.array(self._X) - sp.lo) / span
+        y = np.array(self._y)
+        kernel = (ConstantKernel(1.0, (1e-2, 1e2))
+                  * Matern(length_scale=np.full(sp.ndim, 0.3), length_scale_bounds=(0.02, 20.0), nu=2.5)
+                  + WhiteKernel(1e-2, (1e-6, 1.0)))
+        gp = GaussianProcessRegressor(kernel, normalize_y=True, n_restarts_optimizer=1,
+                                      random_state=self.p.seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                gp.fit(X, y)
+                mu, sd = gp.predict((Xc - sp.lo) / span, return_std=True)
+            except (ValueError, np.linalg.LinAlgError):
+                return None
+        imp = self._scale - mu - 0.001
+        sd = np.maximum(sd, 1e-12)
+        z = imp / sd
+        return imp * ndtr(z) + sd * np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+

@@ -24,7 +24,8 @@
   X(slabs_to_os, "empty slabs returned to the OS (madvise)") \
   X(live_bytes, "gauge: bytes in blocks handed out and not yet freed") \
   X(cached_bytes, "gauge: bytes in blocks parked in thread caches") \
-  X(slow_ns, "nanoseconds spent in refill/drain slow paths")
+  X(slow_ns, "nanoseconds spent in refill/drain slow paths") \
+  X(checkins, "thread-cache check-ins: a bin's countdown ran out (alloc.c \"check-in\")")
 
 /* Per process. */
 #define HK_PROC_COUNTERS(X) \

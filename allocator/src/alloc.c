@@ -104,6 +104,7 @@ static hk_tcache_t* tcache_slow(void) {
 #define CHECKIN_MAX_BLOCKS 32768u
 
 static void checkin_arm(hk_tcache_t* tc, hk_bin_t* bin, unsigned cls) {
+  hk_add_relaxed(&_hk_central[cls].c.checkins, 1);
   uint64_t x = tc->rng;   /* xorshift64 (Marsaglia 2003) */
   x ^= x << 13;
   x ^= x >> 7;

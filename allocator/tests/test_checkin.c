@@ -178,11 +178,28 @@ TEST(allocation_counts_stay_exact) {
   CHECK_EQ(b.cls[c].frees - a.cls[c].frees, PARK + 10 + LOOP);
 }
 
+/* The countdown is drawn in 0.5..1.5 MiB of the class's blocks: 8192 to
+ * 24576 64-byte allocations between check-ins (the `checkins` counter). */
+TEST(checkins_come_within_the_drawn_bounds) {
+  unsigned c = cls_of(64);
+  hk_stats_t a, b;
+  hot_loop(64, 1);
+  hk_stats_get(&a);
+  const long n = 1000000;
+  hot_loop(64, n);
+  hk_stats_get(&b);
+  uint64_t k = b.cls[c].checkins - a.cls[c].checkins;
+  harness_say("  %llu check-ins in %ld allocations\n", (unsigned long long)k, n);
+  CHECK(k >= n / 24577);
+  CHECK(k <= n / 8193 + 1);
+}
+
 int main(void) {
   hang_alarm(under_valgrind() ? 600 : 60, "test_checkin: hung\n");
   RUN(a_lowered_capacity_reaches_a_thread_that_only_hits);
   RUN(malloc_trim_reaches_an_idle_thread_when_it_allocates_again);
   RUN(the_drain_interval_reaches_a_thread_that_slept);
   RUN(allocation_counts_stay_exact);
+  RUN(checkins_come_within_the_drawn_bounds);
   return harness_done();
 }

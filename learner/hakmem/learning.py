@@ -9,7 +9,7 @@ stores any `Evaluation` it carries, and publishes an event with its reason.
 
 A learner never touches /proc, rings or SQLite, so it can be driven by
 recorded windows in tests and offline. Learners are found by name in
-`LEARNERS` (learners.py); `hakmem-learnd --learner NAME` picks one.
+`LEARNERS` (learners/__init__.py); `hakmem-learnd --learner NAME` picks one.
 
 Knobs are `knobs.Knobs` (immutable; k["tcache_cap"][c] reads as the dict
 form does); every function here also takes the dict form

@@ -283,13 +283,17 @@ class Store:
 
     def add_windows(self, rows) -> int:
         """rows: dicts with a key for each of window_columns() (learning.Window.row()
-        and the keys; mix: a numpy array or None). Other keys are not stored."""
+        and the keys; mix: a numpy array or None). Other keys are not stored; a
+        measure a row lacks (a counter added after the row was made) is 0, a
+        key it lacks is refused by the table."""
         cols = self.window_columns()
+        measures = set(self.window_measures())
         vals = []
         for r in rows:
             mix = r.get(WINDOW_MIX)
             vals.append(tuple((np.asarray(mix, dtype="<f4").tobytes() if mix is not None else None)
-                              if c == WINDOW_MIX else r.get(c, 1 if c == "merged" else None) for c in cols))
+                              if c == WINDOW_MIX else r.get(c, 0.0 if c in measures else 1 if c == "merged" else None)
+                              for c in cols))
         if not vals:
             return 0
         with self.tx() as db:

@@ -47,7 +47,8 @@ TEST_CXXFLAGS := -std=gnu++17 -O1 -g -Wall -Wextra -I$(INC_DIR) -I$(TST_DIR) -pt
 VENV    := .venv
 PY      := $(VENV)/bin/python
 PYTHON3 ?= python3
-PB_PY   := learner/hakmem/_pb/hakmem_pb2.py
+PROTOS  := $(sort $(wildcard proto/*.proto))
+PB_PY   := $(PROTOS:proto/%.proto=learner/hakmem/_pb/%_pb2.py)
 
 .PHONY: all lib debug tests test clean help venv layout
 
@@ -61,13 +62,19 @@ $(VENV)/.installed: pyproject.toml setup.py $(PB_PY)
 	$(Q)$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	$(Q)touch $@
 
-# proto/ is the one definition of every message learnd, the CLI and exported
-# policy files exchange; the Python side is generated, never committed.
-$(PB_PY): proto/hakmem.proto
+# proto/ is the one definition of every message learnd, the CLI, exported
+# policy files and traces exchange; both sides are generated, never
+# committed: Python into the package, C (protobuf-c) into $(BUILD)/proto/.
+learner/hakmem/_pb/%_pb2.py: proto/%.proto
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  PROTOC  $@")
 	$(Q)protoc -Iproto --python_out=$(@D) $<
 	$(Q)touch $(@D)/__init__.py
+
+$(BUILD)/proto/%.pb-c.c $(BUILD)/proto/%.pb-c.h: proto/%.proto
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  PROTOC-C $@")
+	$(Q)protoc-c -Iproto --c_out=$(@D) $<
 
 layout: ## regenerate the shared-memory layout's C and Python sides from schemas/shm_layout.json
 	$(Q)$(PYTHON3) tools/gen_layout.py

@@ -1,7 +1,7 @@
 """The one build step pyproject.toml cannot say: the protobuf module.
 
-proto/hakmem.proto is the one definition of every message learnd, the CLI
-and policy files exchange; hakmem/_pb/hakmem_pb2.py is generated from it,
+proto/*.proto are the one definition of every message learnd, the CLI,
+policy files and traces exchange; hakmem/_pb/*_pb2.py are generated from them,
 never committed. `make` generates it into the checkout for the editable
 install in .venv; a wheel (`pip wheel .`, `python -m build`) generates it
 here, into the build directory, so an installed hakmem has its messages
@@ -15,7 +15,8 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROTO = os.path.join(HERE, "proto", "hakmem.proto")
+PROTO_DIR = os.path.join(HERE, "proto")
+PROTOS = sorted(os.path.join(PROTO_DIR, f) for f in os.listdir(PROTO_DIR) if f.endswith(".proto"))
 
 
 class build_py_with_protobuf(build_py):
@@ -26,10 +27,10 @@ class build_py_with_protobuf(build_py):
         out = os.path.join(self.build_lib, "hakmem", "_pb")
         protoc = shutil.which("protoc")
         if protoc is None:
-            raise SystemExit("hakmem: protoc not found: it generates hakmem/_pb from proto/hakmem.proto "
+            raise SystemExit("hakmem: protoc not found: it generates hakmem/_pb from proto/*.proto "
                              "(Debian: apt-get install protobuf-compiler)")
         os.makedirs(out, exist_ok=True)
-        subprocess.run([protoc, f"-I{os.path.dirname(PROTO)}", f"--python_out={out}", PROTO], check=True)
+        subprocess.run([protoc, f"-I{PROTO_DIR}", f"--python_out={out}", *PROTOS], check=True)
         with open(os.path.join(out, "__init__.py"), "w"):
             pass
 

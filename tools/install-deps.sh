@@ -9,7 +9,8 @@
 #                  learner/tests/test_postgres.py
 set -euo pipefail
 
-base=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps protobuf-compiler)
+base=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps protobuf-compiler
+      protobuf-c-compiler libprotobuf-c-dev pkg-config)
 
 pkgs=()
 [ $# -eq 0 ] && pkgs=("${base[@]}")

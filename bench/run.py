@@ -91,6 +91,22 @@ CONFIGS = [
     Config("aligned", "aligned", ["16000000", "42"], ["1000000", "42"]),
     Config("large_churn", "large_churn", ["300", "20", "5", "25", "42"], ["40", "20", "5", "25", "42"]),
     Config("startup", "startup", ["1000", "3000"], ["100", "3000"]),
+    # The field's standard patterns (mimalloc-bench's programs), written from
+    # their descriptions: see each source's header.
+    Config("xthread_mixed_8t", "xthread_mixed", ["8", "40", "100000", "4000", "42"],
+           ["8", "4", "100000", "4000", "42"], 8),
+    Config("burst_lifo_fifo_2t", "burst_foreign", ["2", "20000", "500", "0", "1000", "42"],
+           ["2", "2000", "500", "0", "1000", "42"], 2),
+    Config("burst_foreign_2t", "burst_foreign", ["2", "20000", "500", "25", "1000", "42"],
+           ["2", "2000", "500", "25", "1000", "42"], 2),
+    Config("shared_slots_2t", "shared_slots", ["2", "4000000", "5000", "42"], ["2", "400000", "5000", "42"], 2),
+    Config("batch_handoff_2t", "batch_handoff", ["20000000", "4096", "64", "4"], ["2000000", "4096", "64", "4"], 2),
+    Config("false_sharing_active_2t", "false_sharing", ["active", "2", "5000", "10000", "8"],
+           ["active", "2", "500", "10000", "8"], 2),
+    Config("false_sharing_passive_2t", "false_sharing", ["passive", "2", "5000", "10000", "8"],
+           ["passive", "2", "500", "10000", "8"], 2),
+    Config("object_replace", "object_replace", ["40000", "64", "4096", "1048576", "42"],
+           ["4000", "64", "4096", "1048576", "42"]),
 ]
 # The steady-state OS-call target: random_mixed at two lengths; the
 # difference in calls is what the longer run needed once warm.

@@ -22,6 +22,13 @@ cases=(
   "aligned 50000 42"
   "large_churn 5 4 1 4 42"
   "startup 10 500"
+  "xthread_mixed 4 2 2000 500 42"
+  "burst_foreign 2 50 100 25 1000 42"
+  "shared_slots 2 20000 500 42"
+  "batch_handoff 40960 4096 64 4"
+  "false_sharing active 2 10 100 8"
+  "false_sharing passive 2 10 100 8"
+  "object_replace 100 16 4096 1048576 42"
 )
 
 # Reads the result line on stdin; argv[1] is the expected "bench".

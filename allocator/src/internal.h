@@ -186,7 +186,8 @@ void  _hk_central_reinit_locks(void);
 /* segment.c: segments and the address map */
 hk_slab_t* _hk_slab_carve(unsigned cls);               /* NULL on OOM */
 void       _hk_slab_release(hk_slab_t* slab);          /* pages back to OS */
-bool       _hk_segment_trim(void);
+bool       _hk_segment_trim(void);                   /* dirty pages and cached segments back */
+void       _hk_segment_decay(void);                  /* dirty pages idle for an interval back */
 void       _hk_segment_lock(void);
 void       _hk_segment_unlock(void);
 void       _hk_segment_reinit_lock(void);

@@ -19,11 +19,11 @@ static inline uint32_t _hk_knob_clamp(uint64_t v, uint32_t lo, uint32_t hi) {
   return v < lo ? lo : v > hi ? hi : (uint32_t)v;
 }
 
-/* tcache_cap (blocks): blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth above) */
+/* tcache_cap (blocks): blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those) */
 #define HK_KNOB_TCACHE_CAP_MIN 0u
 #define HK_KNOB_TCACHE_CAP_MAX(size, slab) _hk_knob_clamp(8388608ull / (size), 1u, 4096u)
 #define HK_KNOB_TCACHE_CAP_AT_MOST(p, cls) UINT32_MAX
-#define HK_KNOB_TCACHE_CAP_DEFAULT(size, slab, p, cls) ((size) <= 1024u ? _hk_knob_clamp(65536ull / (size), 16u, 1024u) : _hk_knob_clamp(1048576ull / (size), 1u, 256u))
+#define HK_KNOB_TCACHE_CAP_DEFAULT(size, slab, p, cls) ((size) <= 1024u ? _hk_knob_clamp(65536ull / (size), 16u, 1024u) : ((size) <= 131072u ? _hk_knob_clamp(1048576ull / (size), 1u, 256u) : _hk_knob_clamp(0ull / (size), 0u, 0u)))
 
 /* tcache_batch (blocks): blocks moved per refill or drain (default: cap/2, at most 256) */
 #define HK_KNOB_TCACHE_BATCH_MIN 1u
@@ -31,11 +31,11 @@ static inline uint32_t _hk_knob_clamp(uint64_t v, uint32_t lo, uint32_t hi) {
 #define HK_KNOB_TCACHE_BATCH_AT_MOST(p, cls) ((p)->tcache_cap[cls] > 1u ? (p)->tcache_cap[cls] : 1u)
 #define HK_KNOB_TCACHE_BATCH_DEFAULT(size, slab, p, cls) _hk_knob_clamp((uint64_t)(p)->tcache_cap[cls] / 2u, 1u, 256u)
 
-/* warm_slabs (slabs): empty slabs a class keeps for reuse before returning them to the OS (default: 1 MiB worth) */
+/* warm_slabs (slabs): empty slabs a class keeps for reuse before returning them to the OS (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) */
 #define HK_KNOB_WARM_SLABS_MIN 0u
 #define HK_KNOB_WARM_SLABS_MAX(size, slab) _hk_knob_clamp(67108864ull / (slab), 1u, 1024u)
 #define HK_KNOB_WARM_SLABS_AT_MOST(p, cls) UINT32_MAX
-#define HK_KNOB_WARM_SLABS_DEFAULT(size, slab, p, cls) _hk_knob_clamp(1048576ull / (slab), 1u, 1024u)
+#define HK_KNOB_WARM_SLABS_DEFAULT(size, slab, p, cls) ((size) <= 131072u ? _hk_knob_clamp(1048576ull / (slab), 1u, 1024u) : _hk_knob_clamp(0ull / (slab), 0u, 0u))
 
 /* drain_ms (ms): idle drain interval: classes a thread did not use for this long return their cached blocks, warm pools nobody drew from shrink by half (0 = never) */
 #define HK_KNOB_DRAIN_MS_MIN 0u

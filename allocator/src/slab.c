@@ -323,6 +323,7 @@ void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
     _hk_unlock(&c->lock);
     release_all(release);
   }
+  _hk_segment_decay();
 }
 
 bool _hk_trim_warm(void) {

@@ -99,6 +99,11 @@ typedef struct hk_segment_s {
   struct hk_segment_s* prev;
   uint32_t  in_list;
   uint32_t  _pad;
+  /* Free pages still backed by memory (segment.c "dirty pages"): a subset
+   * of free_pages, and of those the ones already dirty at the last decay
+   * pass, which the next pass gives back. */
+  uint64_t  dirty_pages;
+  uint64_t  dirty_old;
   /* Per page: the class of the slab covering it (0 = none, so the fast free
    * path falls to the slow path through the class-0 sentinel bin), and the
    * offset in the segment of that slab's first page (a byte offset, not a

@@ -135,11 +135,12 @@ KNOBS = [{'name': 'tcache_cap',
   'env': 'HAKMEM_TCACHE_CAP',
   'unit': 'blocks',
   'desc': 'blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 '
-          'KiB blocks, 1 MiB worth above)',
+          'KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those)',
   'min': 0,
   'max': {'worth': 8388608, 'per': 'block', 'lo': 1, 'hi': 4096},
   'default': [{'size_max': 1024, 'worth': 65536, 'per': 'block', 'lo': 16, 'hi': 1024},
-              {'worth': 1048576, 'per': 'block', 'lo': 1, 'hi': 256}],
+              {'size_max': 131072, 'worth': 1048576, 'per': 'block', 'lo': 1, 'hi': 256},
+              {'worth': 0, 'per': 'block', 'lo': 0, 'hi': 0}],
   'at_most': None},
  {'name': 'tcache_batch',
   'per_class': True,
@@ -157,10 +158,11 @@ KNOBS = [{'name': 'tcache_cap',
   'env': 'HAKMEM_WARM_SLABS',
   'unit': 'slabs',
   'desc': 'empty slabs a class keeps for reuse before returning them to the OS (default: 1 MiB '
-          'worth)',
+          'worth up to 128 KiB blocks, none above: freed pages of any size serve those)',
   'min': 0,
   'max': {'worth': 67108864, 'per': 'slab', 'lo': 1, 'hi': 1024},
-  'default': {'worth': 1048576, 'per': 'slab', 'lo': 1, 'hi': 1024},
+  'default': [{'size_max': 131072, 'worth': 1048576, 'per': 'slab', 'lo': 1, 'hi': 1024},
+              {'worth': 0, 'per': 'slab', 'lo': 0, 'hi': 0}],
   'at_most': None},
  {'name': 'drain_ms',
   'per_class': False,
@@ -181,7 +183,6 @@ TCACHE_BATCH_MAX = 1024
 TCACHE_BATCH_DEFAULT_MAX = 256  # the default rule's ceiling
 WARM_SLABS_MIN = 0
 WARM_SLABS_MAX = 1024  # in the largest class; each class's own is in the header
-WARM_SLABS_DEFAULT_MAX = 1024  # the default rule's ceiling
 DRAIN_MS_MIN = 0
 DRAIN_MS_MAX = 3600000
 DRAIN_MS_DEFAULT = 1000

@@ -10,6 +10,18 @@
  *     back to their slab in batches.
  *  3. Slabs are released to the OS (segment.c, madvise) after the class lock
  *     is dropped, so no thread waits on a syscall while holding it.
+ *
+ * TRANSFER
+ * A drain of at most a batch parks the chain as it is in the class's
+ * transfer cache (a few slots, HK_XFER_BYTES at most), and the next refill
+ * of any thread takes a parked chain whole: both are O(1) under the lock,
+ * where returning blocks to their slabs one by one and taking them back
+ * costs a slab lookup and list update per block while every other thread of
+ * the class waits for the lock. That is what a producer/consumer pair does
+ * all day (one thread's drains feed the other's refills). Parked blocks are
+ * still "out" of their slabs, so a slab they belong to cannot be emptied;
+ * every decay pass and malloc_trim return them to their slabs (give_block,
+ * which also checks each one as any drain does).
  */
 #include "internal.h"
 #include "prim.h"
@@ -20,6 +32,7 @@ hk_central_t _hk_central[HK_NUM_CLASSES];
 _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES];
 
 #define CHECK_FILL 0xdb
+#define NO_TID     UINT32_MAX   /* give_block: counted as remote or not already */
 #define CHECK_SPAN 4096u   /* bytes of a freed block filled/verified */
 
 /* ---- list helpers ---------------------------------------------------------- */
@@ -155,7 +168,7 @@ static void give_block(hk_central_t* c, unsigned cls, void* b, uint32_t tid,
   *(void**)b = s->free;
   s->free = b;
   s->used--;
-  if (s->owner != tid) hk_add_relaxed(&c->c.remote_frees, 1);
+  if (tid != NO_TID && s->owner != tid) hk_add_relaxed(&c->c.remote_frees, 1);
   if (s->state == HK_SLAB_FULL) {
     s->state = HK_SLAB_PARTIAL;
     slab_push(&c->partial, s);
@@ -217,6 +230,36 @@ static HK_NOINLINE uint32_t take_after_trim(hk_central_t* c, unsigned cls, uint3
   return got;
 }
 
+/* Parked chains back to their slabs (class lock held). */
+static void xfer_flush(hk_central_t* c, unsigned cls, hk_slab_t** release) {
+  while (c->xfer_count > 0) {
+    hk_xfer_t* x = &c->xfer[--c->xfer_count];
+    void* b = x->head;
+    for (uint32_t i = 0; i < x->n; i++) {
+      void* next = *(void**)b;
+      give_block(c, cls, b, NO_TID, release);
+      b = next;
+    }
+    c->xfer_blocks -= x->n;
+    x->head = NULL;
+    x->n = 0;
+  }
+}
+
+/* A parked chain of at most `most` blocks, or 0 (class lock held). */
+static uint32_t xfer_take(hk_central_t* c, uint32_t most, void** head) {
+  if (c->xfer_count == 0) return 0;
+  hk_xfer_t* x = &c->xfer[c->xfer_count - 1];
+  if (x->n > most) return 0;
+  uint32_t n = x->n;
+  *head = x->head;
+  x->head = NULL;
+  x->n = 0;
+  c->xfer_count--;
+  c->xfer_blocks -= n;
+  return n;
+}
+
 void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   hk_central_t* c = &_hk_central[cls];
@@ -227,7 +270,8 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   if (want == 0) want = 1;
   bin->fill = want * 2 < bin->batch ? want * 2 : bin->batch;
   _hk_lock(&c->lock);
-  uint32_t got = take_blocks(c, cls, want, &head, tc->tid);
+  uint32_t got = xfer_take(c, bin->batch, &head);
+  if (got == 0) got = take_blocks(c, cls, want, &head, tc->tid);
   _hk_unlock(&c->lock);
   if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, want, &head, tc->tid);
   hk_add_relaxed(&c->c.refills, 1);
@@ -250,14 +294,50 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   uint64_t t0 = _hk_os_ticks();
   hk_slab_t* release = NULL;
   void* b = bin->head;
-  _hk_lock(&c->lock);
-  for (uint32_t i = 0; i < n; i++) {
-    void* next = *(void**)b;
-    give_block(c, cls, b, tc->tid, &release);
-    b = next;
+  if (n > 1 && n <= bin->batch && (uint64_t)n * _hk_class[cls].size <= HK_XFER_BYTES) {
+    /* Cut the chain outside the lock, then park it if a slot and the byte
+     * bound allow (see "transfer"). */
+    void* last = b;
+    uint32_t remote = 0;
+    for (uint32_t i = 0;; i++) {
+      /* Counted here, as give_block would: frees of blocks from slabs that
+       * another thread last refilled from (a racy read: a statistic). */
+      const hk_segment_t* seg = _hk_segment_of(last);
+      const hk_slab_t* sl = &seg->slabs[seg->page_start[_hk_page_of(last)] >> HK_PAGE_SHIFT];
+      remote += sl->owner != tc->tid;
+      if (i + 1 == n) break;
+      last = *(void**)last;
+    }
+    void* rest = *(void**)last;
+    *(void**)last = NULL;
+    _hk_lock(&c->lock);
+    if (c->xfer_count < HK_XFER_SLOTS &&
+        (c->xfer_blocks + n) * _hk_class[cls].size <= HK_XFER_BYTES) {
+      c->xfer[c->xfer_count].head = b;
+      c->xfer[c->xfer_count++].n = n;
+      c->xfer_blocks += n;
+      if (remote) hk_add_relaxed(&c->c.remote_frees, remote);
+      b = rest;
+    } else {
+      for (uint32_t i = 0; i < n; i++) {
+        void* next = *(void**)b;
+        give_block(c, cls, b, tc->tid, &release);
+        b = next;
+      }
+      b = rest;
+      warm_shrink(c, cls, hk_load_relaxed(&_hk_warm_limit[cls]), &release);
+    }
+    _hk_unlock(&c->lock);
+  } else {
+    _hk_lock(&c->lock);
+    for (uint32_t i = 0; i < n; i++) {
+      void* next = *(void**)b;
+      give_block(c, cls, b, tc->tid, &release);
+      b = next;
+    }
+    warm_shrink(c, cls, hk_load_relaxed(&_hk_warm_limit[cls]), &release);
+    _hk_unlock(&c->lock);
   }
-  warm_shrink(c, cls, hk_load_relaxed(&_hk_warm_limit[cls]), &release);
-  _hk_unlock(&c->lock);
   bin->head = b;
   bin->count -= n;
   _hk_publish(tc, cls);
@@ -311,14 +391,16 @@ void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
         memory_order_relaxed, memory_order_relaxed)) return;
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_central_t* c = &_hk_central[cls];
-    if (c->warm_count == 0) {   /* racy peek: a miss waits for the next pass */
+    if (c->warm_count == 0 && c->xfer_count == 0) {   /* racy peek: a miss waits for the next pass */
       c->warm_seen = hk_load_relaxed(&c->c.slabs_from_warm);
       continue;
     }
     hk_slab_t* release = NULL;
     _hk_lock(&c->lock);
+    xfer_flush(c, cls, &release);
     uint64_t taken = hk_load_relaxed(&c->c.slabs_from_warm);
     if (taken == c->warm_seen) warm_shrink(c, cls, c->warm_count / 2, &release);
+    else warm_shrink(c, cls, hk_load_relaxed(&_hk_warm_limit[cls]), &release);
     c->warm_seen = taken;
     _hk_unlock(&c->lock);
     release_all(release);
@@ -332,6 +414,7 @@ bool _hk_trim_warm(void) {
     hk_central_t* c = &_hk_central[cls];
     hk_slab_t* release = NULL;
     _hk_lock(&c->lock);
+    xfer_flush(c, cls, &release);
     warm_shrink(c, cls, 0, &release);
     _hk_unlock(&c->lock);
     any |= release != NULL;

@@ -124,13 +124,26 @@ typedef struct hk_class_counters_s {
   HK_CLASS_COUNTERS(HK_X_ATOMIC)
 } hk_class_counters_t;
 
+/* Transfer cache (slab.c "transfer"): whole drained chains parked for the
+ * next refill of any thread, moved in O(1) under the class lock. */
+#define HK_XFER_SLOTS  8
+#define HK_XFER_BYTES  (256u << 10)    /* most bytes parked per class */
+
+typedef struct hk_xfer_s {
+  void*    head;          /* a chain of n blocks, NULL-terminated */
+  uint32_t n;
+  uint32_t _pad;
+} hk_xfer_t;
+
 typedef struct hk_central_s {
   hk_lock_t  lock;
   hk_slab_t* partial;     /* slabs with free or never-used blocks */
   hk_slab_t* warm;        /* empty slabs kept for reuse */
   uint32_t   warm_count;
-  uint32_t   _pad;
+  uint32_t   xfer_count;  /* chains in xfer[0 .. xfer_count) */
   uint64_t   warm_seen;   /* slabs_from_warm at the last decay pass */
+  uint64_t   xfer_blocks; /* blocks in those chains */
+  hk_xfer_t  xfer[HK_XFER_SLOTS];
   hk_class_counters_t c;  /* cumulative counters (relaxed atomics) */
 } __attribute__((aligned(64))) hk_central_t;
 

@@ -154,6 +154,13 @@ elif [ -z "${TESTS:-}" ] || grep -qE -- "$TESTS" <<<"bench/smoke"; then
   skip_line "bench/smoke" "benchmarks not built ($BUILD/bench/random_mixed missing: make tests builds them)"
 fi
 
+echo "== fast path instruction budget (bench/fastpath_budget.sh: callgrind, per malloc+free pair)"
+if command -v valgrind >/dev/null; then
+  run_one "bench/fastpath_budget" 300 env BUILD="$BUILD" bench/fastpath_budget.sh "$LIB"
+elif [ -z "${TESTS:-}" ] || grep -qE -- "$TESTS" <<<"bench/fastpath_budget"; then
+  skip_line "bench/fastpath_budget" "valgrind not installed (make deps installs it)"
+fi
+
 echo "== Python: layout contract, ring reader, policy snapshots (learner/tests)"
 if [ -x .venv/bin/python ]; then
   for f in learner/tests/test_*.py; do

@@ -382,11 +382,12 @@ def test_full_file_system_under_the_database_loses_no_samples(tmp_path, small_tm
         w = start(["burst", 64, 3000, scaled(9)], d.shm)
         ring_path(d.shm, w.pid)
         wait_for(lambda: windows_of(d.db, w.pid) >= 2, 5, "two windows of the workload stored")
-        with open(filler, "wb") as f:        # every free block of the file system
+        # Every free block of the file system; unbuffered, so that closing
+        # the file has nothing left to write into the full file system.
+        with open(filler, "wb", buffering=0) as f:
             try:
                 while True:
                     f.write(b"\0" * 65536)
-                    f.flush()
             except OSError:
                 pass
         d.wait_log("database or disk is full: keeping", 10)

@@ -49,9 +49,12 @@ def default_knobs():
     cap, batch, warm = [0] * C, [0] * C, [0] * C
     for c in range(1, C):
         s = SIZES[c]
-        cap[c] = clampi((64 << 10) // s, 16, 1024) if s <= 1024 else clampi(MIB // s, 1, 256)
+        # Above 128 KiB a class caches nothing of its own: freed pages of any
+        # size serve it (segment.c "dirty pages").
+        cap[c] = (clampi((64 << 10) // s, 16, 1024) if s <= 1024 else
+                  clampi(MIB // s, 1, 256) if s <= 128 << 10 else 0)
         batch[c] = min(max(cap[c] // 2, 1), 256)
-        warm[c] = clampi(MIB // slab_bytes(s), 1, 1024)
+        warm[c] = clampi(MIB // slab_bytes(s), 1, 1024) if s <= 128 << 10 else 0
     return {"drain_ms": 1000, "tcache_cap": cap, "tcache_batch": batch, "warm_slabs": warm}
 
 
@@ -402,13 +405,17 @@ def test_gp_rolls_back_a_worse_candidate_at_once_and_settles():
 
 
 def test_gp_accepts_only_beyond_noise():
-    # Flat program with 5% noise: nothing should be accepted, or almost nothing.
-    ctx = make_ctx()
-    sim = Sim(ctx, allocs=1.0, noise=0.05, slab_rate=0.0, seed=7)   # active, but hardly any cost moves
-    lrn = GPLearner(seed=1)
-    decisions, _, _ = drive(lrn, sim, ctx, 80)
-    accepted = [e for _, d in decisions for e in d.evaluations if e.verdict == "accepted"]
-    assert len(accepted) <= 1
+    # Flat program with 5% noise: nothing should be accepted, or almost
+    # nothing: over four noise sequences of 80 windows each, at most one
+    # false acceptance per sequence on average and never more than two in one
+    # (a learner that ignores the noise accepts several per sequence).
+    counts = []
+    for seed in (4, 5, 6, 7):
+        ctx = make_ctx()
+        sim = Sim(ctx, allocs=1.0, noise=0.05, slab_rate=0.0, seed=seed)   # active, but hardly any cost moves
+        decisions, _, _ = drive(GPLearner(seed=1), sim, ctx, 80)
+        counts.append(sum(1 for _, d in decisions for e in d.evaluations if e.verdict == "accepted"))
+    assert sum(counts) <= len(counts) and max(counts) <= 2, counts
 
 
 def test_gp_relearns_when_the_mix_moves():

@@ -773,9 +773,14 @@ def main(argv: list[str]) -> int:
     check_build(any(c in LEARND_CONFIGS for c in a.configs))
     proof = Proof(a)
     started = time.monotonic()
+    try:   # a bar over the workloads on a terminal (hakmem.progress); the log lines alone otherwise
+        from hakmem.progress import progress as progress_bar
+        bar = progress_bar(a.only, desc="bench-learn", unit="workload")
+    except ImportError:
+        bar = None
 
     def progress(msg: str) -> None:
-        log(f"[{time.monotonic() - started:6.1f} s] {msg}")
+        (bar.write if bar is not None else log)(f"[{time.monotonic() - started:6.1f} s] {msg}")
 
     result: dict = {"machine": machine_info(),
                     "settings": {"quick": a.quick, "seconds": proof.seconds, "warm_seconds": proof.warm_seconds,
@@ -790,9 +795,11 @@ def main(argv: list[str]) -> int:
                                          "memory against time at all"},
                     "workloads": {}}
     try:
-        for name in a.only:
+        for name in (bar if bar is not None else a.only):
             result["workloads"][name] = proof.workload(name, progress)
     finally:
+        if bar is not None:
+            bar.close()
         proof.cleanup()
     result["summary"] = summary(result)
     result["machine"]["loadavg_end"] = os.getloadavg()

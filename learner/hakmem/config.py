@@ -124,6 +124,7 @@ class Config:
     keep_days: float = 30.0
     max_windows: int = 500_000
     pool_users: tuple = ()              # uids, sorted: their processes share one program
+    metrics: str | None = None          # Prometheus endpoint, HOST:PORT ("": 127.0.0.1:9711); None: off
 
     def for_program(self, exe: str) -> ProgramConfig:
         return self.programs.get(exe) or self.programs.get(os.path.basename(exe)) or ProgramConfig()
@@ -137,7 +138,7 @@ class Config:
 
 _KEYS = {"db": str, "shm_dir": str, "run_dir": str, "sample_period": float, "discover_period": float,
          "objective": str, "learner": str, "explore": bool, "retain_every": float, "raw_hours": float,
-         "keep_days": float, "max_windows": int}
+         "keep_days": float, "max_windows": int, "metrics": str}
 
 
 def _objective(text, where):
@@ -198,6 +199,12 @@ def load(path: str | None = None, **flags) -> Config:
     for k in ("sample_period", "discover_period"):
         if k in values and not 0.01 <= values[k] <= 3600:
             raise ConfigError(f"{k} must be between 0.01 and 3600 seconds, got {values[k]}")
+    if values.get("metrics") is not None:
+        from .metrics import MetricsError, parse_addr
+        try:
+            parse_addr(values["metrics"])
+        except MetricsError as e:
+            raise ConfigError(str(e) if flags.get("metrics") is not None else f"{path}: {e}") from None
     for k in ("db", "shm_dir", "run_dir"):
         if k in values:
             values[k] = os.path.abspath(os.path.expanduser(values[k]))

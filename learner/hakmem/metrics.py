@@ -1,0 +1,228 @@
+"""hakmem-learnd's Prometheus endpoint (`--metrics ADDR`, `metrics = "ADDR"`).
+
+What learnd measures, in the Prometheus text format, served by
+prometheus-client's own HTTP server from a private registry (nothing of the
+process-wide default registry, so no other library's metrics leak in):
+
+  per process   (labels program, key, pid)
+    hakmem_process_counter_rate{counter=...}   every counter of the layout
+        (schemas/shm_layout.json), per second over the last window; class
+        counters summed over the size classes; gauges (threads, committed
+        bytes) as their value at the window's end
+    hakmem_process_resident_bytes, hakmem_process_cost (objective units per
+        second: allocator core-seconds per second plus the memory price),
+        hakmem_process_cpu_cores, hakmem_process_minor_faults_rate,
+        hakmem_process_policy_written_version / _applied_version (the
+        snapshot learnd wrote to it, the one its allocator applied)
+  per program   (labels program, key)
+    hakmem_program_processes, hakmem_program_cost, hakmem_program_resident_bytes,
+    hakmem_program_policy_changes_total, hakmem_program_trials_total{verdict=
+        accepted|rolled_back|settled|relearn}
+  learnd        hakmem_learnd_info{version}, hakmem_learnd_programs,
+    hakmem_learnd_processes, hakmem_learnd_windows_total,
+    hakmem_learnd_pending_writes, hakmem_learnd_dropped_writes_total
+
+THREADS. The HTTP server answers from its own thread; the daemon's state is
+only ever read by the daemon's loop. Each sample the loop builds a complete
+list of metric families (`publish`) and swaps it in under a lock; a scrape
+serves the last list whole. A scrape never sees half a turn and never slows
+the loop.
+
+TRUST. The endpoint binds 127.0.0.1 by default: the metrics name every
+program and pid that uses hakmem, which other users of a shared machine
+need not see. An address given explicitly is bound as given.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import threading
+
+from . import __version__
+from . import layout as L
+
+DEFAULT_PORT = 9711
+DEFAULT_HOST = "127.0.0.1"
+TRIAL_KINDS = {"policy_accepted": "accepted", "policy_rolled_back": "rolled_back",
+               "policy_settled": "settled", "relearn": "relearn"}
+
+
+class MetricsError(Exception):
+    """An address that cannot be parsed or bound, in one line."""
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """(host, port) from "PORT", "HOST:PORT", ":PORT" (localhost) or
+    "[V6]:PORT"; port 0 binds a free port (tests)."""
+    text = (text or "").strip()
+    if not text:
+        return DEFAULT_HOST, DEFAULT_PORT
+    host, port = DEFAULT_HOST, text
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or not text[end + 1:].startswith(":"):
+            raise MetricsError(f"metrics address {text!r}: expected [IPv6]:PORT")
+        host, port = text[1:end], text[end + 2:]
+    elif ":" in text:
+        host, port = text.rsplit(":", 1)
+        host = host or DEFAULT_HOST
+    try:
+        p = int(port)
+    except ValueError:
+        raise MetricsError(f"metrics address {text!r}: {port!r} is not a port number") from None
+    if not 0 <= p <= 65535:
+        raise MetricsError(f"metrics address {text!r}: port {p} is out of range")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise MetricsError(f"metrics address {text!r}: {host!r} is not an IP address") from None
+    return host, p
+
+
+class _Collector:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.families: list = []
+
+    def collect(self):
+        with self.lock:
+            fams = self.families
+        yield from fams
+
+
+class Metrics:
+    """The endpoint. start() binds it; observe() per program window and
+    event() per learnd event feed it (the loop's thread); publish() makes
+    what the next scrape sees; close() stops the server."""
+
+    def __init__(self, addr: str):
+        from prometheus_client import CollectorRegistry
+        self.host, self.port = parse_addr(addr)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = _Collector()
+        self.registry.register(self.collector)
+        self.server = self.thread = None
+        self.windows = 0
+        self.last: dict = {}          # proc path -> (program, Proc, Window)
+        self.programs: dict = {}      # key -> (program, merged Window)
+        self.trials: dict = {}        # (key, verdict) -> count
+        self.changes: dict = {}       # key -> count
+        self.names: dict = {}         # key -> base name
+
+    def start(self, daemon=None):
+        from prometheus_client import start_http_server
+        try:
+            self.server, self.thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        except OSError as e:
+            raise MetricsError(f"cannot serve metrics on {self.host}:{self.port}: {e.strerror or e}") from None
+        self.port = self.server.server_address[1]
+        self.publish(daemon)
+        return self
+
+    @property
+    def url(self):
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self):
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    # ---- fed by the daemon's loop ---------------------------------------------
+    def observe(self, prog, parts, win):
+        """One program's sample: its processes' windows and their merge."""
+        self.windows += 1
+        self.names[prog.key] = os.path.basename(prog.exe)
+        self.programs[prog.key] = (prog, win)
+        for p, w in parts:
+            self.last[p.path] = (prog, p, w)
+
+    def event(self, kind, prog):
+        if prog is None:
+            return
+        self.names[prog.key] = os.path.basename(prog.exe)
+        if kind in TRIAL_KINDS:
+            k = (prog.key, TRIAL_KINDS[kind])
+            self.trials[k] = self.trials.get(k, 0) + 1
+        if kind in ("policy_applied", "policy_accepted", "policy_rolled_back", "policy_pinned", "policy_unpinned"):
+            self.changes[prog.key] = self.changes.get(prog.key, 0) + 1
+
+    def publish(self, daemon):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        live = set(daemon.procs) if daemon is not None else set()
+        self.last = {k: v for k, v in self.last.items() if k in live}
+        fams = []
+        info = GaugeMetricFamily("hakmem_learnd_info", "hakmem-learnd's version", labels=["version"])
+        info.add_metric([__version__], 1)
+        fams.append(info)
+        if daemon is not None:
+            fams.append(GaugeMetricFamily("hakmem_learnd_programs", "programs with live processes",
+                                          value=sum(1 for g in daemon.programs.values() if g.procs)))
+            fams.append(GaugeMetricFamily("hakmem_learnd_processes", "processes learnd tracks",
+                                          value=len(daemon.procs)))
+            fams.append(GaugeMetricFamily("hakmem_learnd_pending_writes",
+                                          "rows waiting in memory for the database", value=len(daemon.writes.ops)))
+            fams.append(CounterMetricFamily("hakmem_learnd_dropped_writes", "rows dropped at the memory bound",
+                                            value=daemon.writes.dropped))
+        fams.append(CounterMetricFamily("hakmem_learnd_windows", "program windows sampled", value=self.windows))
+
+        pl = ["program", "key", "pid"]
+        rate = GaugeMetricFamily("hakmem_process_counter_rate",
+                                 "a telemetry counter per second over the last window (class counters summed "
+                                 "over size classes; gauges: the value at the window's end)",
+                                 labels=pl + ["counter"])
+        rss = GaugeMetricFamily("hakmem_process_resident_bytes", "mean resident memory over the last window",
+                                labels=pl)
+        cost = GaugeMetricFamily("hakmem_process_cost", "the objective's cost of the last window "
+                                 "(allocator core-seconds per second plus the memory price)", labels=pl)
+        cpu = GaugeMetricFamily("hakmem_process_cpu_cores", "CPU used over the last window, in cores", labels=pl)
+        flt = GaugeMetricFamily("hakmem_process_minor_faults_rate", "minor page faults per second", labels=pl)
+        wv = GaugeMetricFamily("hakmem_process_policy_written_version",
+                               "the policy snapshot version learnd last wrote to the process", labels=pl)
+        av = GaugeMetricFamily("hakmem_process_policy_applied_version",
+                               "the policy snapshot version the process's allocator applied", labels=pl)
+        for path, (prog, p, w) in sorted(self.last.items()):
+            lab = [self.names.get(prog.key, prog.key), prog.key, str(p.pid)]
+            for name in L.CLASS_COUNTERS:
+                rate.add_metric(lab + [name], float(w.cls[name].sum()))
+            for name in L.PROC_COUNTERS:
+                rate.add_metric(lab + [name], float(w.proc[name]))
+            rss.add_metric(lab, w.rss_bytes)
+            cost.add_metric(lab, w.cost)
+            cpu.add_metric(lab, w.cpu)
+            flt.add_metric(lab, w.minflt)
+            wv.add_metric(lab, p.written_version)
+            try:
+                applied = p.ring.status()["applied_version"]
+            except Exception:      # the process is leaving: its file may be gone
+                applied = 0
+            av.add_metric(lab, applied)
+        fams += [rate, rss, cost, cpu, flt, wv, av]
+
+        gl = ["program", "key"]
+        nproc = GaugeMetricFamily("hakmem_program_processes", "live processes of the program", labels=gl)
+        gcost = GaugeMetricFamily("hakmem_program_cost", "the program's cost over its last window (summed "
+                                  "over its processes)", labels=gl)
+        grss = GaugeMetricFamily("hakmem_program_resident_bytes", "the program's resident memory (summed)",
+                                 labels=gl)
+        chg = CounterMetricFamily("hakmem_program_policy_changes", "policies learnd put in force", labels=gl)
+        trials = CounterMetricFamily("hakmem_program_trials", "trials decided, by verdict",
+                                     labels=gl + ["verdict"])
+        progs = daemon.programs if daemon is not None else {}
+        for key in sorted(set(self.programs) | set(self.changes) | {k for k, _ in self.trials}):
+            lab = [self.names.get(key, key), key]
+            g = progs.get(key)
+            if key in self.programs:
+                _, win = self.programs[key]
+                nproc.add_metric(lab, len(g.procs) if g is not None else 0)
+                gcost.add_metric(lab, win.cost)
+                grss.add_metric(lab, win.rss_bytes)
+            chg.add_metric(lab, self.changes.get(key, 0))
+            for verdict in ("accepted", "rolled_back", "settled", "relearn"):
+                trials.add_metric(lab + [verdict], self.trials.get((key, verdict), 0))
+        fams += [nproc, gcost, grss, chg, trials]
+        with self.collector.lock:
+            self.collector.families = fams

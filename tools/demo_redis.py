@@ -1,0 +1,402 @@
+#!/usr/bin/env python3
+"""make demo: a real service on hakmem, tuned by hakmem-learnd, end to end.
+
+Debian's redis-server, preloaded with hakmem, under redis-benchmark load;
+hakmem-learnd started on a fresh state directory tunes it for about a
+minute while this prints what it does; then the learned policy
+(`hakmem policy show redis-server`), the SQLite file, the metrics endpoint,
+and redis's throughput and resident memory under the default policy and
+under the learned one. Everything it starts runs in private places (a
+temporary directory, a unix socket there, no TCP for redis, a telemetry
+directory of its own under /dev/shm) and is stopped at the end, on an error
+or on Ctrl-C.
+
+    tools/demo_redis.py [--build build] [--seconds 60] [--keep]
+"""
+import argparse
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "learner"))
+from hakmem.progress import progress, write  # noqa: E402
+from hakmem.ring import Ring, RingError  # noqa: E402
+
+REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
+BENCH = shutil.which("redis-benchmark") or "/usr/bin/redis-benchmark"
+PROGRAM = os.path.basename(os.path.realpath(REDIS))     # Debian: redis-server links to redis-check-rdb
+TESTS = "set,get,lpush,lpop,hset"
+BENCH_ARGS = ["-c", "16", "-d", "256", "-r", "100000"]
+VENV_BIN = ROOT / ".venv" / "bin"
+
+
+class DemoError(Exception):
+    pass
+
+
+def say(msg=""):
+    print(msg, flush=True)
+
+
+def header(msg):
+    say()
+    say(f"== {msg}")
+
+
+def env(**extra):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("HAKMEM_") and k != "LD_PRELOAD"}
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def rss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for ln in f:
+                if ln.startswith("VmRSS:"):
+                    return int(ln.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Demo:
+    def __init__(self, build, seconds, keep):
+        self.lib = (build / "libhakmem.so").resolve()
+        if not self.lib.exists():
+            raise DemoError(f"{self.lib} missing: run `make lib`")
+        for tool in (REDIS, BENCH):
+            if not os.path.exists(tool):
+                raise DemoError(f"{tool} missing: run `tools/install-deps.sh redis`")
+        self.seconds, self.keep = seconds, keep
+        self.work = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-demo-", dir="/tmp"))
+        self.shm = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-demo-", dir="/dev/shm"))
+        self.state = self.work / "state"
+        self.run = self.work / "run"
+        self.db = self.state / "learn.db"
+        self.procs = []          # everything started, stopped in reverse
+        self.learnd = self.redis = None
+        self.url = None
+
+    # ---- starting and stopping ------------------------------------------------
+    def spawn(self, argv, **kw):
+        kw.setdefault("stdout", subprocess.DEVNULL)
+        kw.setdefault("stderr", subprocess.DEVNULL)
+        # A session of its own: Ctrl-C reaches the demo alone, which stops
+        # each child in order (learnd stores what it measured).
+        p = subprocess.Popen([str(a) for a in argv], start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p, sig=signal.SIGTERM, timeout=20):
+        if p is None or p.poll() is not None:
+            return p.returncode if p is not None else None
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        except ProcessLookupError:
+            pass
+        return p.returncode
+
+    def start_learnd(self, *extra):
+        self.state.mkdir(mode=0o700, exist_ok=True)
+        log = open(self.work / "learnd.log", "a")
+        argv = [VENV_BIN / "hakmem-learnd", "--foreground", "--db", self.db, "--shm-dir", self.shm,
+                "--run-dir", self.run, "--sample-period", "0.5", "--metrics", "127.0.0.1:0", *extra]
+        say("$ " + " ".join(str(a).replace(str(self.work), "$DEMO") for a in argv))
+        self.learnd = self.spawn(argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            m = re.findall(r"metrics (http://\S+/metrics)", self.log_text())
+            if m and len(m) == self.log_text().count("ready:"):
+                self.url = m[-1]
+                return
+            if self.learnd.poll() is not None:
+                raise DemoError(f"hakmem-learnd exited ({self.learnd.returncode}):\n{self.log_text()[-2000:]}")
+            time.sleep(0.1)
+        raise DemoError("hakmem-learnd did not get ready in 60 s")
+
+    def stop_learnd(self):
+        rc = self.stop(self.learnd, signal.SIGTERM, 30)
+        self.learnd = None
+        return rc
+
+    def log_text(self):
+        try:
+            return (self.work / "learnd.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def start_redis(self, shm=None):
+        sock = self.work / "redis.sock"
+        self.redis = self.spawn([REDIS, "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
+                                 "--save", "", "--appendonly", "no", "--dir", self.work,
+                                 "--logfile", self.work / "redis.log"],
+                                env=env(LD_PRELOAD=self.lib, HAKMEM_SHM_DIR=shm or self.shm))
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            if self.redis.poll() is not None:
+                raise DemoError(f"redis-server exited ({self.redis.returncode}): "
+                                f"{(self.work / 'redis.log').read_text(errors='replace')[-1500:]}")
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(sock))
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return sock
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise DemoError("redis-server did not answer in 15 s")
+
+    def stop_redis(self):
+        if self.redis is not None and self.redis.poll() is None:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(self.work / "redis.sock"))
+                    s.sendall(b"SHUTDOWN NOSAVE\r\n")
+            except OSError:
+                pass
+            try:
+                self.redis.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        rc = self.stop(self.redis, signal.SIGKILL)
+        self.redis = None
+        return rc
+
+    def cleanup(self):
+        """Load first, then redis (SHUTDOWN NOSAVE: it removes its telemetry
+        file as it exits), then learnd (SIGTERM: it stores what it measured)."""
+        for p in self.procs:
+            if p is not self.redis and p is not self.learnd and p.poll() is None:
+                self.stop(p, signal.SIGKILL)
+        self.stop_redis()
+        self.stop_learnd()
+        for p in self.procs:
+            if p.poll() is None:
+                self.stop(p, signal.SIGKILL)
+        left = [n for n in os.listdir(self.shm) if n != "learnd.lock"] if self.shm.exists() else []
+        shutil.rmtree(self.shm, ignore_errors=True)
+        if self.keep:
+            say(f"kept {self.work} (learn.db, learnd.log, redis.log)")
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+        return left
+
+    # ---- measuring ---------------------------------------------------------
+    def benchmark(self, sock, n):
+        r = subprocess.run([BENCH, "-s", sock, "-t", "set", "-n", "100000", *BENCH_ARGS, "-q"], env=env(),
+                           capture_output=True, text=True, timeout=300)          # the data set, then the run
+        r = subprocess.run([BENCH, "-s", sock, "-t", TESTS, "-n", str(n), *BENCH_ARGS, "--csv"], env=env(),
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise DemoError(f"redis-benchmark failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+        rows = {}
+        for ln in r.stdout.splitlines()[1:]:
+            cells = [c.strip('"') for c in ln.split(",")]
+            if len(cells) > 2:
+                rows[cells[0]] = (float(cells[1]), float(cells[4]))       # rps, p50 ms
+        return rows, rss_kib(self.redis.pid)
+
+    def scrape(self):
+        from prometheus_client.parser import text_string_to_metric_families
+        with urllib.request.urlopen(self.url, timeout=5) as r:
+            text = r.read().decode()
+        return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+    def status_line(self):
+        try:
+            _, fams = self.scrape()
+        except Exception:
+            return "metrics: not answering"
+
+        def val(fam, **lab):
+            for s in fams[fam].samples:
+                if all(s.labels.get(k) == v for k, v in lab.items()) and not s.name.endswith("_created"):
+                    return s.value
+            return None
+        allocs = val("hakmem_process_counter_rate", program=PROGRAM, counter="allocs")
+        cost = val("hakmem_program_cost", program=PROGRAM)
+        ver = val("hakmem_process_policy_applied_version", program=PROGRAM)
+        acc = val("hakmem_program_trials", program=PROGRAM, verdict="accepted") or 0
+        rb = val("hakmem_program_trials", program=PROGRAM, verdict="rolled_back") or 0
+        rss = val("hakmem_program_resident_bytes", program=PROGRAM)
+        if allocs is None:
+            return "waiting for redis's first window"
+        return (f"{allocs / 1e3:.0f}k allocs/s, cost {cost:.2e}, rss {rss / 2**20:.0f} MiB, "
+                f"policy v{int(ver or 0)}, accepted {int(acc)}, rolled back {int(rb)}")
+
+    # ---- the demo ------------------------------------------------------------
+    def main(self):
+        n = 200_000
+        header(f"hakmem-learnd on a fresh state directory, tuning redis-server under load for {self.seconds} s")
+        self.start_learnd()
+        say(f"learnd ready; metrics at {self.url}")
+        say(f"$ LD_PRELOAD={self.lib} redis-server --port 0 --unixsocket $DEMO/redis.sock --save ''   "
+            f"# {REDIS} -> {os.path.realpath(REDIS)}")
+        sock = self.start_redis()
+        say(f"$ redis-benchmark -s $DEMO/redis.sock -t {TESTS} -l -q {' '.join(BENCH_ARGS)}   # until the end")
+        load = self.spawn([BENCH, "-s", sock, "-t", TESTS, "-n", "100000000", "-l", "-q", *BENCH_ARGS])
+        seen = len(self.log_text())
+        last_plain = 0.0
+        with progress(total=self.seconds, desc="learnd tuning redis", unit="s") as bar:
+            t0 = time.monotonic()
+            for i in range(self.seconds):
+                time.sleep(max(0.0, t0 + i + 1 - time.monotonic()))
+                text = self.log_text()
+                for ln in text[seen:].splitlines():
+                    if PROGRAM in ln and any(k in ln for k in ("policy_", "process_", "relearn")):
+                        bar.write("  " + ln.split("hakmem-learnd: ", 1)[-1][:160])
+                seen = len(text)
+                line = self.status_line()
+                bar.set_postfix_str(line)
+                bar.update(1)
+                if not hasattr(bar, "format_dict") and time.monotonic() - last_plain >= 10:
+                    write(f"  [{i + 1:3d} s] {line}")          # no terminal: a line every 10 s
+                    last_plain = time.monotonic()
+                if load.poll() is not None or self.redis.poll() is not None or self.learnd.poll() is not None:
+                    raise DemoError("redis-benchmark, redis-server or learnd stopped during the run")
+        self.stop(load, signal.SIGINT)
+        say(f"status: {self.status_line()}")
+
+        header("the learned policy: hakmem policy show redis-server")
+        where = ["--db", self.db, "--run-dir", self.run]
+        r = subprocess.run([str(a) for a in [VENV_BIN / "hakmem", "policy", "show", "redis-server", *where]],
+                           env=env(), capture_output=True, text=True, timeout=60)
+        say(r.stdout.rstrip() or r.stderr.rstrip())
+
+        header(f"the SQLite file: {str(self.db).replace(str(self.work), '$DEMO')}")
+        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5)
+        try:
+            counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                      for t in ("programs", "processes", "windows", "policies", "evaluations")}
+            size = sum(p.stat().st_size for p in self.state.glob("learn.db*"))      # with its -wal
+            say(f"{size / 1024:.0f} KiB with its WAL: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+            say("$ sqlite3 learn.db 'SELECT version, origin, objective, evaluations FROM policies'")
+            for row in con.execute("SELECT version, origin, printf('%.3e', objective), evaluations FROM policies "
+                                   "ORDER BY version"):
+                say("  " + "|".join("" if c is None else str(c) for c in row))
+        finally:
+            con.close()
+
+        header(f"the metrics endpoint: curl {self.url}  (redis's lines)")
+        text, _ = self.scrape()
+        keep = [ln for ln in text.splitlines() if ln.startswith(("hakmem_program_", "hakmem_learnd_processes"))
+                and "_created" not in ln]
+        keep += [ln for ln in text.splitlines() if re.match(r"hakmem_process_(resident|cost|policy)", ln)]
+        keep += [ln for ln in text.splitlines() if ln.startswith("hakmem_process_counter_rate")
+                 and re.search(r'counter="(allocs|frees|refills|drains|slabs_from_os)"', ln)]
+        say("\n".join(re.sub(r'key="[^"]*",?', "", ln).replace("{}", "") for ln in keep))
+
+        header("redis under redis-benchmark: the default policy vs the learned one")
+        say("learnd restarted with --no-explore: a new redis-server gets the best stored policy at once.")
+        say("Default: a redis-server whose telemetry directory has no learnd (hakmem keeps its default policy).")
+        say("A fresh redis-server per run, alternating, two rounds: the machine's noise shows in the rounds.")
+        self.stop_redis()
+        self.stop_learnd()
+        self.start_learnd("--no-explore")
+        nolearnd = self.work / "no-learnd"
+        nolearnd.mkdir()
+        runs = {"default": [], "learned": []}
+        for rnd in (1, 2):
+            for which in ("default", "learned"):
+                sock = self.start_redis(nolearnd if which == "default" else None)
+                note = ""
+                if which == "learned":
+                    applied = self.wait_applied()
+                    note = f" (policy snapshot v{applied} applied)" if applied else " (NO policy applied)"
+                rows, rss = self.benchmark(sock, n)
+                self.stop_redis()
+                runs[which].append((rows, rss))
+                say(f"round {rnd} {which:<8} {', '.join(f'{t} {r:,.0f}/s' for t, (r, _) in rows.items())}; "
+                    f"resident {rss / 1024:.0f} MiB{note}")
+        self.stop_learnd()
+
+        def mean(which, test):
+            v = [rows.get(test, (0.0, 0))[0] for rows, _ in runs[which]]
+            return sum(v) / len(v)
+        say()
+        say(f"{'mean of 2':<9} {'default req/s':>14} {'learned req/s':>14} {'change':>8}")
+        for t in runs["default"][0][0]:
+            r0, r1 = mean("default", t), mean("learned", t)
+            say(f"{t:<9} {r0:>14,.0f} {r1:>14,.0f} {(r1 / r0 - 1) * 100 if r0 else 0:>+7.1f}%")
+        m0 = sum(r for _, r in runs["default"]) / 2
+        m1 = sum(r for _, r in runs["learned"]) / 2
+        say(f"{'resident':<9} {m0 / 1024:>10.0f} MiB {m1 / 1024:>10.0f} MiB {(m1 / m0 - 1) * 100 if m0 else 0:>+7.1f}%")
+
+    def wait_applied(self, timeout=60):
+        """The snapshot version redis applied, once learnd has found it and
+        written it its policy (0 after timeout). A process looks for learnd's
+        lease, and takes a policy up, on its allocator's slow paths: redis
+        gets a little load meanwhile (an idle one would wait for ever)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for p in self.shm.glob(f"{self.redis.pid}-*"):
+                try:
+                    with Ring(str(p)) as r:
+                        v = r.status()["applied_version"]
+                    if v:
+                        return v
+                except RingError:
+                    pass
+            subprocess.run([BENCH, "-s", self.work / "redis.sock", "-t", "set", "-n", "2000", "-q"], env=env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+            time.sleep(0.2)
+        return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="demo_redis", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build", help="the build directory holding libhakmem.so (default build)")
+    ap.add_argument("--seconds", type=int, default=60, help="how long learnd tunes redis (default 60)")
+    ap.add_argument("--keep", action="store_true", help="keep the demo's directory (database, logs)")
+    args = ap.parse_args(argv)
+    if args.seconds < 5:
+        ap.error("--seconds must be at least 5")
+    try:
+        demo = Demo(pathlib.Path(args.build), args.seconds, args.keep)
+    except DemoError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 1
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+    # Ctrl-C, and a SIGTERM or hang-up too, stop everything the demo started
+    # (also when started where SIGINT is ignored: a background job).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
+    rc = 0
+    try:
+        demo.main()
+    except KeyboardInterrupt:
+        say("\ninterrupted: stopping everything")
+        rc = 130
+    except DemoError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        left = demo.cleanup()
+        alive = [p.pid for p in demo.procs if p.poll() is None]
+        say(f"stopped: redis-server, redis-benchmark, hakmem-learnd"
+            f"{'' if not alive else f' (still running: {alive})'}; telemetry files left: {len(left)}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

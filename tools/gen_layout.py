@@ -11,7 +11,10 @@ Outputs (committed, so building the allocator needs no Python):
     allocator/src/shm_layout.h            structs with static offset checks, the version
     allocator/src/knobs.h                 each knob's bounds and default as C expressions
     learner/hakmem/_layout.py             the same definition with offsets, the knobs'
-                                          metadata (KNOBS) and their constants
+                                          metadata (KNOBS) and their constants, and
+                                          hakmem-bpf's counters (KERNEL_COUNTERS)
+    bpf/hakmem_kernel.h                   hakmem-bpf's counters (kernel_counters) for
+                                          the BPF program and its loader
 The generator lays every struct out itself and refuses implicit padding, so
 the offsets it writes into both sides are the only ones there are; the C
 compiler then checks them (_Static_assert) and a test compares them with
@@ -326,7 +329,31 @@ def gen_layout_py(spec, lay):
             "# The policy's knobs in slot order (schemas/shm_layout.json knobs_about says\n"
             "# what min, max, default and at_most hold: a number, or a rule).\n"
             f"KNOBS = {pprint.pformat(knobs, width=100, sort_dicts=False)}\n\n"
-            + "\n".join(consts) + "\n")
+            + "\n".join(consts) + "\n"
+            "\n# hakmem-bpf's counters (kernel_counters), in the loader's order, with\n"
+            "# their descriptions; cumulative per process, rates per second in a Window.\n"
+            f"KERNEL_COUNTERS = {pprint.pformat([tuple(c) for c in spec['kernel_counters']], width=100)}\n")
+
+
+# ---- kernel counters (hakmem-bpf) ---------------------------------------------
+def gen_kernel_h(spec):
+    """bpf/hakmem_kernel.h: the kernel counters for the BPF program and its loader."""
+    items = spec["kernel_counters"]
+    L = [f"/* hakmem_kernel.h — {BANNER}.",
+         " *",
+         " * What hakmem-bpf counts per process (kernel_counters): the BPF program's",
+         " * per-pid array and the loader's KernelProc.values follow this order.",
+         " * X(name, NAME, description); every one cumulative. No includes: the BPF",
+         " * side includes it after vmlinux.h, the loader after stdint.h. */",
+         "#ifndef HAKMEM_KERNEL_H", "#define HAKMEM_KERNEL_H", "",
+         "#define HK_KERNEL_COUNTERS(X) \\"]
+    for i, (n, d) in enumerate(items):
+        tail = " \\" if i + 1 < len(items) else ""
+        L.append(f"  X({n}, {n.upper()}, {json.dumps(d)}){tail}")
+    L += ["", "enum {"]
+    L += [f"  HK_KERN_{n.upper()} = {i}," for i, (n, _d) in enumerate(items)]
+    L += [f"  HK_KERN_N = {len(items)}", "};", "", "#endif /* HAKMEM_KERNEL_H */", ""]
+    return "\n".join(L)
 
 
 def main():
@@ -343,6 +370,7 @@ def main():
         ROOT / "allocator/src/shm_layout.h": gen_layout_h(spec, lay),
         ROOT / "allocator/src/knobs.h": gen_knob_rules_h(spec, knobs),
         ROOT / "learner/hakmem/_layout.py": gen_layout_py(spec, lay),
+        ROOT / "bpf/hakmem_kernel.h": gen_kernel_h(spec),
     }
     stale = []
     for path, text in outputs.items():

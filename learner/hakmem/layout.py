@@ -6,7 +6,7 @@ against that header and compares field by field.
 """
 import numpy as np
 
-from ._layout import KNOBS, LAYOUT
+from ._layout import KERNEL_COUNTERS as _KERNEL, KNOBS, LAYOUT
 
 MAGIC = LAYOUT["magic"].encode("ascii")
 MAGIC_U64 = LAYOUT["magic_u64"]
@@ -17,6 +17,7 @@ HEADER_SIZE = LAYOUT["header_size"]
 CLASS_COUNTERS = tuple(LAYOUT["class_counters"])
 PROC_COUNTERS = tuple(LAYOUT["proc_counters"])
 GAUGES = frozenset(LAYOUT["gauges"])
+KERNEL_COUNTERS = tuple(n for n, _d in _KERNEL)   # hakmem-bpf's, in its order (kernel.py)
 KNOBS_PER_CLASS = tuple(k["name"] for k in KNOBS if k["per_class"])   # knobs.py: the Knobs type
 
 _PRIM = {"u32": "<u4", "u64": "<u8"}

@@ -100,7 +100,13 @@ class Window:
 
     Window(t_start, t_end, knobs, processes, allocs=..., refills=..., ...):
     counters not given are zeros; os_calls and threads may be given for the
-    process counters they stand for."""
+    process counters they stand for.
+
+    The kernel's side (hakmem-bpf, kernel.py): `kern[name]` for each of the
+    layout's kernel_counters (`w.k_faults`, `w.k_os_ns`), rates per second,
+    and `kernel_source`: "bpf" when hakmem-bpf measured every process of the
+    window (then the objective prices these in place of the /proc estimate),
+    "proc" when none was, "mixed" for a merge of both (priced from /proc)."""
 
     SCALARS = ("minflt", "rss_bytes", "cpu", "time_cost", "mem_cost", "cost")
 
@@ -108,7 +114,8 @@ class Window:
                  cls: Mapping | None = None, proc: Mapping | None = None, active: bool = False,
                  minflt: float = 0.0, rss_bytes: float = 0.0, cpu: float = 0.0, time_cost: float = 0.0,
                  mem_cost: float = 0.0, cost: float = 0.0, os_calls: float | None = None,
-                 threads: int | None = None, **counters):
+                 threads: int | None = None, kern: Mapping | None = None, kernel_source: str = "proc",
+                 **counters):
         self.t_start, self.t_end = float(t_start), float(t_end)
         self.knobs = K.Knobs.of(knobs) if knobs is not None else None
         self.processes = int(processes)
@@ -128,6 +135,9 @@ class Window:
             if v.shape != (L.NUM_CLASSES,):
                 raise ValueError(f"Window: {n} has shape {v.shape}, the layout has {L.NUM_CLASSES} classes")
         self.proc = {n: float(proc.get(n, 0.0)) for n in L.PROC_COUNTERS}
+        kern = dict(kern or {})
+        self.kern = {n: float(kern.get(n, 0.0)) for n in L.KERNEL_COUNTERS}
+        self.kernel_source = str(kernel_source)
         self.os_calls = float(sum(self.proc[n] for n in OS_CALLS) if os_calls is None else os_calls)
         self.active = bool(active)
         self.minflt, self.rss_bytes, self.cpu = float(minflt), float(rss_bytes), float(cpu)
@@ -141,6 +151,8 @@ class Window:
         if "proc" in d and name in d["proc"]:
             v = d["proc"][name]
             return int(v) if name == "threads" else v
+        if "kern" in d and name in d["kern"]:
+            return d["kern"][name]
         raise AttributeError(name)
 
     def __repr__(self):
@@ -150,7 +162,8 @@ class Window:
     def replace(self, **changes) -> "Window":
         """A copy with some fields changed (t_start, knobs, costs, ...)."""
         kw = dict(knobs=self.knobs, processes=self.processes, cls=self.cls, proc=self.proc, active=self.active,
-                  os_calls=self.os_calls, **{n: getattr(self, n) for n in self.SCALARS})
+                  os_calls=self.os_calls, kern=self.kern, kernel_source=self.kernel_source,
+                  **{n: getattr(self, n) for n in self.SCALARS})
         kw.update(changes)
         if "proc" in changes and "os_calls" not in changes:
             kw["os_calls"] = None
@@ -190,6 +203,9 @@ class Window:
                   cls={n: sum(w.cls[n] for w in parts) for n in L.CLASS_COUNTERS},
                   proc={n: sum(w.proc[n] for w in parts) for n in L.PROC_COUNTERS},
                   os_calls=sum(w.os_calls for w in parts), active=any(w.active for w in parts),
+                  kern={n: sum(w.kern[n] for w in parts) for n in L.KERNEL_COUNTERS},
+                  kernel_source=parts[0].kernel_source if all(w.kernel_source == parts[0].kernel_source
+                                                              for w in parts) else "mixed",
                   **{n: sum(getattr(w, n) for w in parts) for n in cls.SCALARS})
         kw.update(fields)
         return cls(kw.pop("t_start"), kw.pop("t_end"), **kw)
@@ -201,6 +217,7 @@ class Window:
         out = {"t_start": self.t_start, "t_end": self.t_end}
         out.update({n: float(v.sum()) for n, v in self.cls.items()})
         out.update(self.proc)
+        out.update(self.kern, k_bpf=1.0 if self.kernel_source == "bpf" else 0.0)
         out.update(os_calls=self.os_calls, **{n: getattr(self, n) for n in self.SCALARS})
         out["mix"] = self.allocs.astype(np.float32)
         return out

@@ -140,3 +140,21 @@ class Prices:
 def time_cost(slow_ns_per_s: float, minflt_per_s: float, os_calls_per_s: float, prices: Prices) -> float:
     """Allocator overhead in core-seconds per second."""
     return slow_ns_per_s * 1e-9 + minflt_per_s * prices.fault_s + os_calls_per_s * prices.syscall_s
+
+
+def window_time_cost(w, prices: Prices) -> float:
+    """A window's allocator overhead in core-seconds per second. Its kernel
+    side comes from hakmem-bpf when that measured every process of the window
+    (w.kernel_source == "bpf": the time measured handling its faults, or
+    where that cannot be measured their count priced as above, and the time
+    measured inside mmap/munmap/madvise/mremap/brk, calls made by anything
+    in the process included); otherwise it is the /proc estimate:
+    minflt from /proc/<pid>/stat and the allocator's own OS calls at the
+    calibrated prices."""
+    slow = float(w.slow_ns.sum())
+    if getattr(w, "kernel_source", "proc") == "bpf":
+        # Faults: their measured time where the kernel has kprobes (k_fault_ns),
+        # else the count at the calibrated price.
+        faults = w.k_fault_ns * 1e-9 if w.k_fault_ns > 0 else w.k_faults * prices.fault_s
+        return slow * 1e-9 + faults + w.k_os_ns * 1e-9
+    return time_cost(slow, w.minflt, w.os_calls, prices)

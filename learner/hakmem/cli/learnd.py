@@ -110,6 +110,9 @@ def cmd_status(args):
         print(f"database {st.db_path}, {st.windows_stored} windows stored")
         print(f"telemetry {st.shm_dir}, run dir {st.run_dir}")
         print(f"{st.processes} live processes of {st.programs} programs")
+        if st.kernel_source:
+            print(f"kernel-side cost: {st.kernel_source}, {st.kernel_why}"
+                  + (f", restarted {st.kernel_restarts} times" if st.kernel_restarts else ""))
     else:
         print(f"hakmem-learnd is not running; read from {st.db_path}")
         print(f"{len(progs)} programs known, {st.windows_stored} windows stored, {st.processes} of their "
@@ -123,10 +126,15 @@ def cmd_status(args):
                          f"v{p.pinned.version}" if p.HasField("pinned") else "-",
                          f"v{p.best.version}" if p.HasField("best") else "-",
                          f"{p.best.objective:.4g}" if p.HasField("best") and p.best.has_objective else "-",
-                         _when(p.last_seen)))
+                         _when(p.last_seen), p.kernel_source or "-"))
         print()
-        _table(("id", "program", "users", "live", "seen", "state", "pinned", "best", "best cost", "last seen"),
-               rows)
+        _table(("id", "program", "users", "live", "seen", "state", "pinned", "best", "best cost", "last seen",
+                "kernel"), rows)
+        for p in progs:      # hakmem-bpf's figures, or why /proc (kernel.py)
+            if p.kernel_source:
+                figs = ", ".join(f"{n} {v:,.4g}/s" for n, v in zip(st.kernel_counters, p.kernel))
+                print(f"{_base(p.key)}: kernel-side from {p.kernel_source}"
+                      + (f" ({p.kernel_why})" if p.kernel_why else "") + (f": {figs}" if figs else ""))
     return 0
 
 
@@ -144,9 +152,9 @@ def cmd_procs(args):
     if running:
         rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), _user(p.uid), p.threads,
                  f"{p.rss_bytes / 2**20:.1f}", f"{p.allocs_per_s:,.0f}", f"{p.cost:.4g}", p.applied_version,
-                 p.windows, _when(p.first_seen)) for p in procs]
+                 p.windows, _when(p.first_seen), p.kernel_source or "-") for p in procs]
         _table(("pid", "state", "program", "user", "threads", "rss MiB", "allocs/s", "cost", "policy", "windows",
-                "first seen"), rows)
+                "first seen", "kernel"), rows)
     else:
         rows = [(p.pid, "live" if p.alive else "gone", _base(p.program), _user(p.uid), p.windows,
                  _when(p.first_seen), _when(p.last_seen)) for p in procs]

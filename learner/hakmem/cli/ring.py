@@ -120,14 +120,41 @@ def _print_dump(s, show_all):
         print("  " + "  ".join(str(x).rjust(wd) for x, wd in zip(row, widths)))
 
 
+def _kernel(pid, run_dir):
+    """The kernel-side figures learnd measured for pid in its last window
+    (hakmem-bpf, or why /proc): they are not in the telemetry file. None
+    when learnd is not running or does not track the process."""
+    from ..config import default_run_dir
+    from ..control import Client, ClientBackend, ControlError, is_running
+    run_dir = os.path.abspath(run_dir or default_run_dir())
+    try:
+        if not is_running(run_dir):
+            return None
+        with Client(run_dir, timeout=2.0) as c:
+            procs = ClientBackend(c).processes(False)
+    except (ControlError, OSError):
+        return None
+    for p in procs:
+        if p.pid == pid and p.kernel_source:
+            return {"source": p.kernel_source, "why": p.kernel_why,
+                    "per_s": dict(zip(L.KERNEL_COUNTERS, p.kernel)) if p.kernel else None}
+    return None
+
+
 def cmd_dump(args):
     with Ring(resolve(args.target, args.dir)) as ring:
         s = _summary(ring, args.window)
+    s["kernel"] = _kernel(int(s["pid"]), getattr(args, "run_dir", None))
     if args.json:
         json.dump(s, sys.stdout)
         print()
     else:
         _print_dump(s, args.all)
+        k = s["kernel"]
+        if k is not None:
+            figs = ", ".join(f"{n} {v:,.4g}/s" for n, v in k["per_s"].items()) if k["per_s"] else ""
+            print(f"kernel (hakmem-learnd's last window): {k['source']}" + (f" ({k['why']})" if k["why"] else "")
+                  + (f": {figs}" if figs else ""))
     return 0
 
 

@@ -13,6 +13,7 @@
 
 #include "internal.h"
 #include "prim.h"
+#include "trace.h"
 
 /* ---- fast paths ----------------------------------------------------------------
  * malloc of a small size runs 19 instructions (callgrind) with two tests:
@@ -107,7 +108,7 @@ static hk_tcache_t* tcache_slow(void) {
 #define CHECKIN_MIN_BLOCKS 512u
 #define CHECKIN_MAX_BLOCKS 32768u
 
-static void checkin_arm(hk_tcache_t* tc, hk_bin_t* bin, unsigned cls) {
+HK_INLINE void checkin_arm(hk_tcache_t* tc, hk_bin_t* bin, unsigned cls) {
   hk_add_relaxed(&_hk_central[cls].c.checkins, 1);
   uint64_t x = tc->rng;   /* xorshift64 (Marsaglia 2003) */
   x ^= x << 13;
@@ -146,16 +147,60 @@ static void maybe_gc(hk_tcache_t* tc) {
   }
 }
 
-HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
-  if (cls == 0) {
-    /* Before initialization the small-size table reads all zero. */
-    if (!_hk_initialized) { _hk_init(); cls = _hk_class_of(n); }
-    if (cls == 0) {
-      if (n > PTRDIFF_MAX) { errno = ENOMEM; return NULL; }
-      return _hk_huge_alloc(n, 0, false);
-    }
+/* ---- capture traps (trace.h) -----------------------------------------------------
+ * While a capture is on, a thread's bins keep capacity 0 (every free takes
+ * the slow path) and, outside SAMPLED, a countdown far below zero (every
+ * allocation does): the fast paths stay as they are, not one instruction
+ * more. The real capacity and countdown wait in _hk_trace_tls and are put
+ * back around the real work, so the policy in force still governs. A
+ * trapped countdown keeps the blocks counted exact: mark loses what `left`
+ * still had to count, and gets it back. */
+#define TRAP_LEFT (INT32_MIN / 2)
+
+static void trap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
+  hk_trace_tls_t* t = &_hk_trace_tls;
+  t->cap[cls] = bin->cap;
+  bin->cap = 0;
+  if (how == HK_TRAP_ALL) {
+    t->left[cls] = bin->left;
+    if (bin->left > 0) bin->mark -= (uint64_t)bin->left;
+    bin->left = TRAP_LEFT;
   }
-  hk_tcache_t* tc = tcache_slow();
+}
+
+static void untrap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
+  hk_trace_tls_t* t = &_hk_trace_tls;
+  bin->cap = t->cap[cls];
+  if (how == HK_TRAP_ALL) {
+    bin->left = t->left[cls];
+    if (bin->left > 0) bin->mark += (uint64_t)bin->left;
+  }
+}
+
+/* After tcache_slow: trap or untrap the whole cache as the capture wants,
+ * and trap again the capacities a new policy just wrote. Returns how the
+ * bins are trapped now. */
+static unsigned trace_sync(hk_tcache_t* tc, uint64_t version_before) {
+  hk_trace_tls_t* t = &_hk_trace_tls;
+  unsigned want = _hk_trace_trap_wanted(tc->state == HK_TC_ACTIVE);
+  if (HK_LIKELY(t->trapped == want)) {
+    if (want && tc->policy_version != version_before)
+      for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+        t->cap[cls] = tc->bin[cls].cap;
+        tc->bin[cls].cap = 0;
+      }
+    return want;
+  }
+  if (t->trapped)
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) untrap_bin(&tc->bin[cls], cls, t->trapped);
+  if (want)
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) trap_bin(&tc->bin[cls], cls, want);
+  t->trapped = (uint8_t)want;
+  return want;
+}
+
+/* A block of class cls for this thread, by the policy in force. */
+HK_INLINE void* alloc_small(hk_tcache_t* tc, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   void* p;
   if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || bin->cap == 0)) {
@@ -171,8 +216,81 @@ HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
     p = _hk_refill(tc, cls);   /* publishes */
     maybe_gc(tc);
   }
+  if (HK_LIKELY(p)) HK_VG_ALLOC(p, _hk_class[cls].size);
+  return p;
+}
+
+/* _hk_malloc_slow while a capture is on, or after it for a trapped thread. */
+static HK_NOINLINE void* malloc_traced(unsigned cls) {
+  uint64_t version = _hk_tc.policy_version;
+  hk_tcache_t* tc = tcache_slow();
+  unsigned how = trace_sync(tc, version);
+  hk_bin_t* bin = &tc->bin[cls];
+  if (how) untrap_bin(bin, cls, how);
+  bool cached = tc->state == HK_TC_ACTIVE && bin->cap != 0;
+  bool due = bin->left <= 0 && cached;
+  /* What the fast path would have done, when it would have: the
+   * countdown still runs, so check-ins (and telemetry) keep their pace. */
+  void* p = cached ? bin_pop(bin) : NULL;
+  if (!p) p = alloc_small(tc, cls);
+  if (HK_UNLIKELY(!cached && _hk_trace_sample_bytes)) {
+    /* No countdown without a cache: the same mean, counted in bytes here. */
+    hk_trace_tls_t* t = &_hk_trace_tls;
+    t->direct_left -= _hk_class[cls].size;
+    if (t->direct_left <= 0) {
+      uint64_t x = tc->rng, b = _hk_trace_sample_bytes;
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      tc->rng = x;
+      t->direct_left = (int64_t)(b / 2 + (x >> 32) % b);
+      t->picked = 1;
+    }
+  } else if (HK_UNLIKELY(due && _hk_trace_sample_bytes)) {
+    /* SAMPLED (trace.c): the allocation the countdown stopped at is picked,
+     * and the next countdown has the capture's mean and no floor. Blocks
+     * counted stay exact: mark moves with left. */
+    _hk_trace_tls.picked = 1;
+    uint64_t x = tc->rng, b = _hk_trace_sample_bytes;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    tc->rng = x;
+    uint64_t blocks = (b / 2 + (x >> 32) % b) / _hk_class[cls].size;
+    if (blocks > CHECKIN_MAX_BLOCKS) blocks = CHECKIN_MAX_BLOCKS;
+    if (bin->left > 0) {
+      bin->mark = bin->mark - (uint64_t)bin->left + blocks;
+      bin->left = (int32_t)blocks;
+    }
+  }
+  /* maybe_gc may have started or ended a capture: the next call syncs. */
+  if (how) trap_bin(&tc->bin[cls], cls, how);
   if (HK_UNLIKELY(!p)) errno = ENOMEM;
-  else HK_VG_ALLOC(p, _hk_class[cls].size);
+  return p;
+}
+
+HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
+  if (cls == 0) {
+    /* Before initialization the small-size table reads all zero. */
+    if (!_hk_initialized) {
+      _hk_init();
+      /* Only malloc comes here uninitialized (calloc and the aligned calls
+       * initialize first): a capture _hk_init just started records it. */
+      if (_hk_trace_on) {
+        void* p = _hk_malloc_slow(n, _hk_class_of(n));
+        _hk_trace_alloc(HK_OP_MALLOC, n, 0, p);
+        return p;
+      }
+      cls = _hk_class_of(n);
+    }
+    if (cls == 0) {
+      if (n > PTRDIFF_MAX) { errno = ENOMEM; return NULL; }
+      return _hk_huge_alloc(n, 0, false);
+    }
+  }
+  if (HK_UNLIKELY(_hk_trace_on || _hk_trace_tls.trapped)) return malloc_traced(cls);
+  void* p = alloc_small(tcache_slow(), cls);
+  if (HK_UNLIKELY(!p)) errno = ENOMEM;
   return p;
 }
 
@@ -188,15 +306,8 @@ static unsigned owner_or_die(void* p, hk_segment_t** seg_out, unsigned* page_out
   return cls;
 }
 
-HK_NOINLINE void _hk_free_slow(void* p) {
-  if (p == NULL) return;
-  unsigned kind = _hk_map_kind(p);
-  if (kind == HK_MAP_HUGE) { _hk_huge_free(p); return; }
-  if (kind != HK_MAP_SEGMENT) _hk_invalid_free(p, "not allocated by hakmem");
-  hk_segment_t* seg;
-  unsigned page;
-  unsigned cls = owner_or_die(p, &seg, &page);
-  hk_tcache_t* tc = tcache_slow();
+/* Frees p into this thread's cache by the policy in force. */
+HK_INLINE void free_small(hk_tcache_t* tc, void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   if (p == bin->head) _hk_invalid_free(p, "double free");
   HK_VG_FREE(p);
@@ -214,6 +325,37 @@ HK_NOINLINE void _hk_free_slow(void* p) {
   bin->head = p;
   bin->count++;
   maybe_gc(tc);
+}
+
+static HK_NOINLINE void free_traced(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
+  uint64_t version = _hk_tc.policy_version;
+  hk_tcache_t* tc = tcache_slow();
+  unsigned how = trace_sync(tc, version);
+  hk_bin_t* bin = &tc->bin[cls];
+  if (how) untrap_bin(bin, cls, how);
+  if (tc->state == HK_TC_ACTIVE && bin->count < bin->cap && p != bin->head) {
+    HK_VG_FREE(p);   /* what the fast path would have done */
+    *(void**)p = bin->head;
+    bin->head = p;
+    bin->count++;
+  } else {
+    free_small(tc, p, seg, page, cls);
+  }
+  if (how) trap_bin(bin, cls, how);
+}
+
+HK_NOINLINE void _hk_free_slow(void* p) {
+  if (p == NULL) return;
+  /* Stamped before the block can be reused (proto "time-stamping rule"). */
+  if (HK_UNLIKELY(_hk_trace_on)) _hk_trace_free(p);
+  unsigned kind = _hk_map_kind(p);
+  if (kind == HK_MAP_HUGE) { _hk_huge_free(p); return; }
+  if (kind != HK_MAP_SEGMENT) _hk_invalid_free(p, "not allocated by hakmem");
+  hk_segment_t* seg;
+  unsigned page;
+  unsigned cls = owner_or_die(p, &seg, &page);
+  if (HK_UNLIKELY(_hk_trace_on || _hk_trace_tls.trapped)) { free_traced(p, seg, page, cls); return; }
+  free_small(tcache_slow(), p, seg, page, cls);
 }
 
 /* ---- aligned ------------------------------------------------------------------- */
@@ -247,7 +389,7 @@ HK_INLINE void* aligned_fast(size_t align, size_t n) {
   return bin_pop(&_hk_tc.bin[cls]);
 }
 
-static HK_NOINLINE void* alloc_aligned_slow(size_t align, size_t n) {
+static void* alloc_aligned_real(size_t align, size_t n) {
   if (!_hk_initialized) _hk_init();
   _hk_align_tables_build();
   if (align <= HK_MIN_ALIGN) return alloc_cls(_hk_class_of(n), n);
@@ -255,6 +397,12 @@ static HK_NOINLINE void* alloc_aligned_slow(size_t align, size_t n) {
   unsigned cls = aligned_class(n, align);
   if (cls) return alloc_cls(cls, n);
   return _hk_huge_alloc(n, align, false);
+}
+
+static HK_NOINLINE void* alloc_aligned_slow(size_t align, size_t n) {
+  void* p = alloc_aligned_real(align, n);
+  if (HK_UNLIKELY(_hk_trace_on)) _hk_trace_alloc(HK_OP_ALIGNED, n, align, p);
+  return p;
 }
 
 HK_INLINE void* alloc_aligned(size_t align, size_t n) {
@@ -274,7 +422,23 @@ static size_t usable_size(void* p) {
 /* ---- the API ------------------------------------------------------------------- */
 /* malloc's slow path finds the class again itself, so the fast path need
  * not keep it alive across the pop (one instruction fewer). */
-static HK_NOINLINE void* malloc_slow(size_t n) { return _hk_malloc_slow(n, _hk_class_of(n)); }
+static HK_NOINLINE void* alloc_recorded(unsigned op, size_t n, unsigned cls) {
+  void* p = _hk_malloc_slow(n, cls);
+  _hk_trace_alloc(op, n, 0, p);
+  return p;
+}
+
+static HK_NOINLINE void* malloc_slow(size_t n) {
+  if (HK_UNLIKELY(_hk_trace_on)) return alloc_recorded(HK_OP_MALLOC, n, _hk_class_of(n));
+  return _hk_malloc_slow(n, _hk_class_of(n));
+}
+
+static HK_NOINLINE void* calloc_slow(size_t n, unsigned cls) {
+  if (HK_UNLIKELY(_hk_trace_on)) return alloc_recorded(HK_OP_CALLOC, n, cls);
+  return _hk_malloc_slow(n, cls);
+}
+
+static void* realloc_traced(void* p, size_t n);
 
 HK_EXPORT void* malloc(size_t n) {
   void* p = bin_pop(&_hk_tc.bin[_hk_class_of(n)]);
@@ -296,14 +460,18 @@ HK_EXPORT void* calloc(size_t count, size_t size) {
   if (HK_UNLIKELY(cls == 0) && !_hk_initialized) { _hk_init(); cls = _hk_class_of(n); }
   if (HK_UNLIKELY(cls == 0)) {
     if (n > PTRDIFF_MAX) { errno = ENOMEM; return NULL; }
-    return _hk_huge_alloc(n, 0, true);   /* fresh mappings are already zero */
+    void* h = _hk_huge_alloc(n, 0, true);   /* fresh mappings are already zero */
+    if (HK_UNLIKELY(_hk_trace_on)) _hk_trace_alloc(HK_OP_CALLOC, n, 0, h);
+    return h;
   }
-  void* p = alloc_cls(cls, n);
+  void* p = bin_pop(&_hk_tc.bin[cls]);
+  if (HK_UNLIKELY(p == NULL)) p = calloc_slow(n, cls);
   if (HK_LIKELY(p)) memset(p, 0, n);
   return p;
 }
 
 HK_EXPORT void* realloc(void* p, size_t n) {
+  if (HK_UNLIKELY(_hk_trace_on)) return realloc_traced(p, n);
   if (p == NULL) return malloc(n);
   if (n == 0) { free(p); return NULL; }   /* glibc: realloc(p, 0) frees */
   size_t old;
@@ -328,6 +496,47 @@ HK_EXPORT void* realloc(void* p, size_t n) {
   if (!q) return NULL;
   memcpy(q, p, n < old ? n : old);
   free(p);
+  return q;
+}
+
+/* realloc while a capture is on: one REALLOC event, stamped after the new
+ * block is had and before the old one is given back; the malloc and free
+ * inside are not events (quiet). */
+static HK_NOINLINE void* realloc_traced(void* p, size_t n) {
+  if (p == NULL || n == 0) {   /* proto: realloc(NULL, n) is MALLOC, realloc(p, 0) is FREE */
+    if (p == NULL) return malloc(n);
+    free(p);
+    return NULL;
+  }
+  hk_trace_tls_t* t = &_hk_trace_tls;
+  bool want = _hk_trace_realloc_wanted(p);
+  size_t old;
+  void* q = NULL;
+  t->quiet = 1;
+  unsigned kind = _hk_map_kind(p);
+  if (kind == HK_MAP_HUGE) {
+    if (n > HK_MAX_CLASS_SIZE && _hk_huge_realloc(p, n)) q = p;
+    old = _hk_huge_usable(p);
+  } else {
+    old = usable_size(p);
+    if (n <= old && (n > old / 2 || old <= 32)) q = p;
+  }
+  if (!q) {
+    if (n > PTRDIFF_MAX) { t->quiet = 0; errno = ENOMEM; return NULL; }
+    size_t want_n = n > old && n - old < old / 4 ? old + old / 4 : n;
+    q = malloc(want_n);
+    if (!q && want_n != n) q = malloc(n);
+    if (!q) { t->quiet = 0; return NULL; }
+    memcpy(q, p, n < old ? n : old);
+  }
+  t->quiet = 0;
+  t->picked = 0;
+  if (want) _hk_trace_realloc(p, q, n);
+  if (q != p) {
+    t->quiet = 1;
+    free(p);
+    t->quiet = 0;
+  }
   return q;
 }
 

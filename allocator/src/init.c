@@ -18,6 +18,7 @@
 
 #include "internal.h"
 #include "prim.h"
+#include "trace.h"
 
 hk_proc_counters_t _hk_proc;
 int _hk_initialized;
@@ -32,9 +33,11 @@ static void fork_prepare(void) {
   _hk_central_lock_all();
   _hk_segment_lock();
   _hk_huge_lock();
+  _hk_trace_lock_all();
 }
 
 static void fork_parent(void) {
+  _hk_trace_unlock_all();
   _hk_huge_unlock();
   _hk_segment_unlock();
   _hk_central_unlock_all();
@@ -51,6 +54,7 @@ static void fork_child(void) {
   _hk_thread_after_fork_child();
   _hk_policy_reinit_lock();
   _hk_tel_after_fork_child();
+  _hk_trace_after_fork_child();
 }
 
 /* ---- start and exit --------------------------------------------------------- */
@@ -62,6 +66,9 @@ void _hk_init(void) {
     _hk_options_init();
     _hk_thread_init();
     __atomic_store_n(&_hk_initialized, 1, __ATOMIC_RELEASE);
+    /* A capture from start sees what other libraries' constructors
+     * allocate before ours runs, when the environment is there to say so. */
+    if (!_hk_options_env_missing()) _hk_trace_start();
   }
   _hk_unlock(&init_lock);
 }
@@ -78,12 +85,14 @@ __attribute__((constructor(101))) static void hk_constructor(void) {
   pthread_atfork(fork_prepare, fork_parent, fork_child);
   if (_hk_stats_at_exit()) stats_fd = _hk_os_dup_cloexec(2, 64);
   _hk_tel_start();
+  _hk_trace_start();
 }
 
 /* The exit-time table and the telemetry file's last record come from one
  * snapshot, so a reader's totals equal the printed ones. */
 __attribute__((destructor(101))) static void hk_destructor(void) {
   static hk_stats_t st HK_SPARSE_BSS;
+  _hk_trace_exit();   /* the footer, before the table that counts it */
   if (!_hk_stats_at_exit() && !_hk_tel_on) return;
   hk_stats_get(&st);
   _hk_tel_exit(&st);

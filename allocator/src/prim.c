@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <sys/auxv.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -318,4 +319,62 @@ void _hk_lock_slow(hk_lock_t* l) {
     if (spins < 64) __builtin_ia32_pause();
     else sched_yield();
   }
+}
+
+/* ---- trace files (trace.c) ------------------------------------------------------ */
+int _hk_os_create_path(const char* path, int* fd) {
+  int f;
+  do f = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  while (f < 0 && errno == EINTR);
+  if (f < 0) { *fd = -1; return errno; }
+  if (fchmod(f, 0600) != 0) { int err = errno; close(f); *fd = -1; return err; }
+  *fd = f;
+  return 0;
+}
+
+int _hk_os_create_wo_at(int dfd, const char* name, int* fd) {
+  int f;
+  do f = openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  while (f < 0 && errno == EINTR);
+  if (f < 0) { *fd = -1; return errno; }
+  if (fchmod(f, 0600) != 0) { int err = errno; close(f); unlinkat(dfd, name, 0); *fd = -1; return err; }
+  *fd = f;
+  return 0;
+}
+
+int _hk_os_append(int fd, const void* buf, size_t len, uint64_t off) {
+  const char* b = buf;
+  size_t left = len;
+  while (left > 0) {
+    ssize_t w = write(fd, b, left);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      int err = w < 0 ? errno : ENOSPC;
+      /* Half a chunk would break the framing of every later one. */
+      if (left != len && (ftruncate(fd, (off_t)off) != 0 || lseek(fd, (off_t)off, SEEK_SET) < 0))
+        return EIO;
+      return err;
+    }
+    b += w;
+    left -= (size_t)w;
+  }
+  return 0;
+}
+
+uint64_t _hk_os_fsize_limit(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_FSIZE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return UINT64_MAX;
+  return (uint64_t)rl.rlim_cur;
+}
+
+size_t _hk_os_read_small(const char* path, char* buf, size_t cap) {
+  int f;
+  do f = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  while (f < 0 && errno == EINTR);
+  if (f < 0) return 0;
+  ssize_t r;
+  do r = read(f, buf, cap);
+  while (r < 0 && errno == EINTR);
+  close(f);
+  return r > 0 ? (size_t)r : 0;
 }

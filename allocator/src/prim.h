@@ -99,4 +99,18 @@ void _hk_os_build_id(char* out, size_t cap);
  * /proc/self/stat, the name of its telemetry file); 0 if unknown. */
 uint64_t _hk_os_start_time(void);
 
+/* ---- trace files (trace.c) */
+/* Creates path for writing (O_EXCL|O_NOFOLLOW|O_CLOEXEC, mode 0600): an
+ * existing file or link there is never opened. */
+int _hk_os_create_path(const char* path, int* fd);
+/* The same, as dfd/name. */
+int _hk_os_create_wo_at(int dfd, const char* name, int* fd);
+/* Writes all of buf at the file's end, which is at off; on failure cuts
+ * the file back to off (so no half record stays) and returns the errno. */
+int _hk_os_append(int fd, const void* buf, size_t len, uint64_t off);
+/* RLIMIT_FSIZE (UINT64_MAX: none): writing past it raises SIGXFSZ. */
+uint64_t _hk_os_fsize_limit(void);
+/* Up to cap bytes of a small file (/proc/self/cmdline); 0 if unreadable. */
+size_t _hk_os_read_small(const char* path, char* buf, size_t cap);
+
 #endif /* HK_PRIM_H */

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #define HK_SHM_MAGIC          0x3130474e49524b48ull  /* "HKRING01" little-endian */
-#define HK_SHM_LAYOUT_VERSION 3u
+#define HK_SHM_LAYOUT_VERSION 4u
 #define HK_SHM_NUM_CLASSES    61u
 #define HK_SHM_RING_SLOTS     128u
 #define HK_SHM_HEADER_SIZE    4096u
@@ -121,13 +121,21 @@ typedef struct {
   uint32_t _pad0;  /* @12 */
   hk_shm_policy_slot_t slot[2];  /* @16: the two snapshot slots */
   hk_shm_policy_slot_t in_force;  /* @1536: the policy in force, written by the allocator whenever one is installed; version = the allocator's own policy version */
+  uint64_t trace_request;  /* @2296: live capture request number, written by `hakmem trace record` with release after trace_max_bytes and trace_seconds; a value other than header.trace_seen asks the process to record into <dir>/<pid>-<start_time>.trace-<trace_request>, a file it makes itself */
+  uint64_t trace_max_bytes;  /* @2304: the request's bound in trace bytes (0: 64 MiB; at most 1 GiB) */
+  uint32_t trace_seconds;  /* @2312: the request's bound in seconds (1..86400) */
+  uint32_t _pad1;  /* @2316 */
 } hk_shm_policy_area_t;
-_Static_assert(sizeof(hk_shm_policy_area_t) == 2296, "policy_area size");
+_Static_assert(sizeof(hk_shm_policy_area_t) == 2320, "policy_area size");
 _Static_assert(offsetof(hk_shm_policy_area_t, version) == 0, "policy_area.version");
 _Static_assert(offsetof(hk_shm_policy_area_t, writer_pid) == 8, "policy_area.writer_pid");
 _Static_assert(offsetof(hk_shm_policy_area_t, _pad0) == 12, "policy_area._pad0");
 _Static_assert(offsetof(hk_shm_policy_area_t, slot) == 16, "policy_area.slot");
 _Static_assert(offsetof(hk_shm_policy_area_t, in_force) == 1536, "policy_area.in_force");
+_Static_assert(offsetof(hk_shm_policy_area_t, trace_request) == 2296, "policy_area.trace_request");
+_Static_assert(offsetof(hk_shm_policy_area_t, trace_max_bytes) == 2304, "policy_area.trace_max_bytes");
+_Static_assert(offsetof(hk_shm_policy_area_t, trace_seconds) == 2312, "policy_area.trace_seconds");
+_Static_assert(offsetof(hk_shm_policy_area_t, _pad1) == 2316, "policy_area._pad1");
 
 typedef struct {
   uint64_t magic;  /* @0: ASCII HKRING01, stored last at creation (release): a reader that sees it sees a complete header */
@@ -161,7 +169,10 @@ typedef struct {
   char exe[256];  /* @872: executable path at start (informational: readers take identity from /proc/pid/exe) */
   char build_id[48];  /* @1128: GNU build id of the executable, hex, or empty */
   char hakmem_version[16];  /* @1176: libhakmem version */
-  char _reserved[2904];  /* @1192: zero; room to grow */
+  uint64_t trace_seen;  /* @1192: live capture: the last policy_area.trace_request examined (stored with release after trace_state and trace_error) */
+  uint32_t trace_state;  /* @1200: live capture of that request: 0 none, 1 recording, 2 done (footer written), 3 refused (trace_error says why) */
+  uint32_t trace_error;  /* @1204: errno of a refused request (EBUSY: a capture is already on; EINVAL: bad bounds) */
+  char _reserved[2888];  /* @1208: zero; room to grow */
 } hk_shm_header_t;
 _Static_assert(sizeof(hk_shm_header_t) == 4096, "header size");
 _Static_assert(offsetof(hk_shm_header_t, magic) == 0, "header.magic");
@@ -195,7 +206,10 @@ _Static_assert(offsetof(hk_shm_header_t, _pad1) == 868, "header._pad1");
 _Static_assert(offsetof(hk_shm_header_t, exe) == 872, "header.exe");
 _Static_assert(offsetof(hk_shm_header_t, build_id) == 1128, "header.build_id");
 _Static_assert(offsetof(hk_shm_header_t, hakmem_version) == 1176, "header.hakmem_version");
-_Static_assert(offsetof(hk_shm_header_t, _reserved) == 1192, "header._reserved");
+_Static_assert(offsetof(hk_shm_header_t, trace_seen) == 1192, "header.trace_seen");
+_Static_assert(offsetof(hk_shm_header_t, trace_state) == 1200, "header.trace_state");
+_Static_assert(offsetof(hk_shm_header_t, trace_error) == 1204, "header.trace_error");
+_Static_assert(offsetof(hk_shm_header_t, _reserved) == 1208, "header._reserved");
 
 /* Every field as X(C type, field), for the layout probe. */
 #define HK_SHM_FIELDS(X) \
@@ -246,6 +260,10 @@ _Static_assert(offsetof(hk_shm_header_t, _reserved) == 1192, "header._reserved")
   X(hk_shm_policy_area_t, _pad0) \
   X(hk_shm_policy_area_t, slot) \
   X(hk_shm_policy_area_t, in_force) \
+  X(hk_shm_policy_area_t, trace_request) \
+  X(hk_shm_policy_area_t, trace_max_bytes) \
+  X(hk_shm_policy_area_t, trace_seconds) \
+  X(hk_shm_policy_area_t, _pad1) \
   X(hk_shm_header_t, magic) \
   X(hk_shm_header_t, layout_version) \
   X(hk_shm_header_t, header_size) \
@@ -277,6 +295,9 @@ _Static_assert(offsetof(hk_shm_header_t, _reserved) == 1192, "header._reserved")
   X(hk_shm_header_t, exe) \
   X(hk_shm_header_t, build_id) \
   X(hk_shm_header_t, hakmem_version) \
+  X(hk_shm_header_t, trace_seen) \
+  X(hk_shm_header_t, trace_state) \
+  X(hk_shm_header_t, trace_error) \
   X(hk_shm_header_t, _reserved)
 
 #endif /* HK_SHM_LAYOUT_H */

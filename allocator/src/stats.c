@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include "internal.h"
+#include "trace.h"
 #include "prim.h"
 
 /* Written at every start: kept in .data, whose page the loader has already
@@ -86,7 +87,7 @@ HK_EXPORT void hk_stats_print(int fd) {
 }
 
 void _hk_stats_print_snapshot(int fd, const hk_stats_t* st) {
-  char b[1024];   /* the telemetry line may carry a 600-byte path */
+  char b[2048];   /* the telemetry and trace lines may each carry a 600-byte path */
   size_t n = _hk_fmt(b, sizeof b,
       "hakmem: stats (policy v%lu, %lu policies rejected)\n"
       "  os: mmap %lu  munmap %lu  madvise %lu  committed %lu KiB  threads %lu (ever %lu)\n"
@@ -95,6 +96,7 @@ void _hk_stats_print_snapshot(int fd, const hk_stats_t* st) {
       st->madvise_calls, st->committed_bytes >> 10, st->threads, st->threads_total,
       st->huge_allocs, st->huge_cache_hits, st->cls[0].live_bytes);
   n += _hk_tel_describe(b + n, sizeof b - n, st->tel_failures);
+  n += _hk_trace_describe(b + n, sizeof b - n);
   _hk_os_write(fd, b, n);
   static const char* const names[] = {"class", "size", "allocs", "frees", "refills",
       "refill_blk", "drains", "drain_blk", "remote", "slab<warm", "slab<os", "slab>warm",

@@ -63,6 +63,7 @@
 #include "internal.h"
 #include "prim.h"
 #include "shm_layout.h"
+#include "trace.h"
 
 _Static_assert(HK_SHM_NUM_CLASSES == HK_NUM_CLASSES, "layout and allocator agree on classes");
 
@@ -217,6 +218,45 @@ static void poll_policy(void) {
   tel.last_seen = v;
   apply_snapshot(&s, v);
   hk_store_release((_Atomic uint64_t*)&tel.hdr->seen_version, v);
+}
+
+/* ---- live capture requests (trace.c; learner/hakmem/cli/trace_record.py) ------------
+ * A reader asks by writing the policy area's trace_request; we answer in the
+ * header. The trace file is made by us, in the directory our file was made
+ * in (checked again by device and inode), under a name of ours: whoever
+ * writes the request chooses only the bounds, never a path. (tel.lock held) */
+#define LIVE_DEFAULT_BYTES ((uint64_t)64 << 20)
+#define LIVE_MAX_BYTES     ((uint64_t)1 << 30)
+#define LIVE_MAX_SECONDS   86400u
+
+static int live_start(uint64_t req, uint32_t secs, uint64_t max_bytes) {
+  if (secs == 0 || secs > LIVE_MAX_SECONDS || max_bytes > LIVE_MAX_BYTES) return EINVAL;
+  if (max_bytes == 0) max_bytes = LIVE_DEFAULT_BYTES;
+  int dfd;
+  hk_file_info_t d;
+  int err = _hk_os_open_dir(tel.dir, &dfd, &d);
+  if (err) return err;
+  if (d.dev != tel.dir_dev || d.ino != tel.dir_ino) { _hk_os_close(dfd); return ESTALE; }
+  char name[96];
+  _hk_fmt(name, sizeof name, "%s.trace-%lu", tel.name, req);
+  err = _hk_trace_live_start(dfd, name, secs, max_bytes);
+  _hk_os_close(dfd);
+  return err;
+}
+
+static void poll_trace(void) {
+  hk_shm_header_t* h = tel.hdr;
+  uint64_t req = hk_load_acquire((_Atomic uint64_t*)&tel.pol->trace_request);
+  if (req != h->trace_seen) {
+    uint32_t secs = tel.pol->trace_seconds;
+    uint64_t max_bytes = tel.pol->trace_max_bytes;
+    int err = live_start(req, secs, max_bytes);
+    h->trace_error = (uint32_t)err;
+    h->trace_state = err ? 3 : 1;
+    hk_store_release((_Atomic uint64_t*)&h->trace_seen, req);
+  } else if (h->trace_state == 1 && _hk_trace_live_state() == 2) {
+    hk_store_release((_Atomic uint32_t*)&h->trace_state, 2);
+  }
 }
 
 /* ---- records ----------------------------------------------------------------- */
@@ -461,6 +501,8 @@ void _hk_tel_tick(uint64_t now_ns) {
   }
   if (tel.state == TEL_ON) {
     poll_policy();
+    poll_trace();
+    if (HK_UNLIKELY(_hk_trace_on)) _hk_trace_poll(now_ns);   /* a live capture's time bound */
     if (now_ns >= tel.next_ns) {
       tel.next_ns = now_ns + tel.epoch_ns;
       _hk_stats_collect(&tel.st);
@@ -475,6 +517,8 @@ void _hk_tel_tick(uint64_t now_ns) {
 void _hk_tel_exit(const hk_stats_t* st) {
   _hk_lock(&tel.lock);
   if (tel.state == TEL_ON) {
+    if (tel.hdr->trace_state == 1 && _hk_trace_live_state() == 2)
+      hk_store_release((_Atomic uint32_t*)&tel.hdr->trace_state, 2);
     write_record(st, _hk_os_now_ns());
     hk_store_release((_Atomic uint32_t*)&tel.hdr->state, 1);
     remove_file();

@@ -15,6 +15,7 @@
 #include <pthread.h>
 
 #include "internal.h"
+#include "trace.h"
 #include "prim.h"
 
 __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
@@ -104,6 +105,7 @@ void _hk_publish_all(hk_tcache_t* tc) {
 static void thread_exit(void* arg) {
   hk_tcache_t* tc = &_hk_tc;
   if (tc->state != HK_TC_ACTIVE) return;
+  _hk_trace_thread_exit(tc);   /* THREAD_EXIT, and the bins untrapped */
   _hk_flush_thread(tc);
   _hk_registry_lock();
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {

@@ -1,0 +1,906 @@
+/* hakmem-replay — replays an allocation trace (proto/trace.proto) through
+ * the real allocator, linked in statically, under a fixed policy, and
+ * reports what it cost: time, peak resident memory, page faults, OS calls
+ * and the allocator's counters.
+ *
+ * Each run is a fresh process (the parent execs itself with --run-fd), so
+ * every run starts from the same allocator state. A run:
+ *   1. maps the trace and checks it whole (framing, columns, ops, layout
+ *      version) before anything is timed; a problem is one line naming the
+ *      byte offset, or with --partial the valid chunks before it are used;
+ *   2. orders every event by time (frees before allocations at equal times,
+ *      trace.proto "OBJECT IDENTITY") and renames reused addresses into
+ *      unique objects;
+ *   3. installs the policy, then starts one thread per trace thread behind a
+ *      barrier; each runs its own events in order. A thread that frees an
+ *      object another thread allocates waits until that allocation has
+ *      happened (a short spin, then yielding), so cross-thread frees stay
+ *      cross-thread without serializing anything else. New objects are
+ *      written (their first bytes and a byte per 4 KiB page), as the
+ *      program wrote them at least once;
+ *   4. measures from the barrier to the last thread's end.
+ * Events run back to back, except across the trace's idle gaps (--pace
+ * idle, the default): a thread whose next event comes 1 ms or more after
+ * its previous one waits until that much time has passed since the replay
+ * began, so what an allocator does with time (idle drains, warm pools that
+ * decay, caches parked in a sleeping thread) happens in the replay too.
+ * --pace none runs everything back to back.
+ *
+ * Everything the replay itself needs (events, objects, the address map)
+ * lives in memory from mmap, not from the allocator under test. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <malloc.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "hakmem.h"
+#include "shm_layout.h"
+#include "trace.pb-c.h"
+
+#define MAGIC "HKTRACE1"
+#define MAX_CHUNK (64u << 20)
+#define MAX_THREADS 4096
+#define MAX_REPEAT 100
+
+enum { OP_MALLOC = 1, OP_CALLOC, OP_REALLOC, OP_FREE, OP_ALIGNED, OP_THREAD_EXIT };
+
+static const char* trace_path;
+static const char* policy_path;
+static bool partial, touch_pages = true, json_out, pace_idle = true;
+#define GAP_NS 1000000u   /* --pace idle: a gap this long in a thread's events is kept */
+static int repeat = 1;
+
+/* ---- errors ------------------------------------------------------------------ */
+static void die(int code, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fputs("hakmem-replay: error: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  exit(code);
+}
+
+static void* map_zero(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  void* p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) die(1, "%s: %zu bytes for the replay's tables: %s", trace_path, bytes, strerror(errno));
+  return p;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- the trace ---------------------------------------------------------------- */
+typedef struct {
+  uint64_t t;        /* ns since capture start */
+  uint64_t size;
+  uint64_t addr, old;
+  int64_t  obj;      /* object this event makes (allocations), or -1 */
+  int64_t  old_obj;  /* object it consumes (free, realloc), or -1 */
+  uint32_t align;
+  uint32_t thread;
+  uint8_t  op;
+} event_t;
+
+typedef struct {
+  uint32_t layout_version, mode, threads;
+  uint64_t events, objects, unmatched_frees, valid_bytes, file_bytes;
+  int partial, has_footer;
+  char cut_reason[200];
+  char exe[256];
+} trace_info_t;
+
+static event_t* ev;
+static uint64_t nev;
+static trace_info_t info;
+
+static const char* mode_name(uint32_t m) {
+  return m == 1 ? "full" : m == 2 ? "sampled" : m == 3 ? "live" : "unspecified";
+}
+
+/* One varint at p (at most 10 bytes, not past end); 0 on a bad one. */
+static int get_varint(const uint8_t* p, const uint8_t* end, uint64_t* out) {
+  uint64_t v = 0;
+  for (int i = 0; i < 10 && p + i < end; i++) {
+    v |= (uint64_t)(p[i] & 0x7f) << (7 * i);
+    if (!(p[i] & 0x80)) { *out = v; return i + 1; }
+  }
+  return 0;
+}
+
+/* Calls fn for every valid chunk. Returns the bytes that were valid; on a
+ * problem, fills why (and stops there). */
+typedef void (*chunk_fn)(const Hakmem__Trace__V1__TraceChunk* c, void* arg);
+
+static uint64_t walk(const uint8_t* base, uint64_t size, chunk_fn fn, void* arg, char* why, size_t whylen,
+                     int* footer_seen) {
+  why[0] = 0;
+  *footer_seen = 0;
+  if (size < 8 || memcmp(base, MAGIC, 8) != 0) {
+    snprintf(why, whylen, "not a hakmem trace (no HKTRACE1 magic)");
+    return 0;
+  }
+  uint64_t off = 8, seq = 0;
+  while (off < size) {
+    uint64_t len;
+    int vl = get_varint(base + off, base + size, &len);
+    if (vl == 0) {
+      snprintf(why, whylen, off + 10 > size ? "cut short in a chunk's length" : "bad chunk length");
+      return off;
+    }
+    if (len > MAX_CHUNK) { snprintf(why, whylen, "chunk of %" PRIu64 " bytes (more than any writer makes)", len); return off; }
+    if (len > size - off - (uint64_t)vl) {
+      snprintf(why, whylen, "cut short: a chunk of %" PRIu64 " bytes, %" PRIu64 " left", len, size - off - vl);
+      return off;
+    }
+    Hakmem__Trace__V1__TraceChunk* c =
+        hakmem__trace__v1__trace_chunk__unpack(NULL, (size_t)len, base + off + vl);
+    if (!c) { snprintf(why, whylen, "corrupt chunk"); return off; }
+    size_t n = c->n_op;
+    const char* bad = NULL;
+    if (*footer_seen) bad = "data after the footer";
+    else if (c->n_size != n || c->n_align != n || c->n_addr != n || c->n_old_addr != n || c->n_dt_ns != n)
+      bad = "columns of different lengths";
+    else if (seq == 0 && !c->header) bad = "first chunk has no header";
+    else if (seq > 0 && c->header) bad = "a second header";
+    else if (c->seq != seq) bad = "chunks out of order";
+    else if (n && (c->thread == 0 || c->thread > MAX_THREADS)) bad = "thread number out of range";
+    for (size_t i = 0; !bad && i < n; i++)
+      if ((int)c->op[i] < OP_MALLOC || (int)c->op[i] > OP_THREAD_EXIT) bad = "unknown operation";
+    if (!bad && seq == 0 && c->header->layout_version != HK_SHM_LAYOUT_VERSION) {
+      snprintf(why, whylen, "trace from layout version %u, this replayer is layout %u",
+               c->header->layout_version, HK_SHM_LAYOUT_VERSION);
+      hakmem__trace__v1__trace_chunk__free_unpacked(c, NULL);
+      return UINT64_MAX;   /* refused whatever --partial says */
+    }
+    if (bad) {
+      snprintf(why, whylen, "%s", bad);
+      hakmem__trace__v1__trace_chunk__free_unpacked(c, NULL);
+      return off;
+    }
+    if (c->footer) *footer_seen = 1;
+    fn(c, arg);
+    hakmem__trace__v1__trace_chunk__free_unpacked(c, NULL);
+    off += (uint64_t)vl + len;
+    seq++;
+  }
+  if (!*footer_seen) snprintf(why, whylen, "cut short: no footer");
+  return off;
+}
+
+static void count_chunk(const Hakmem__Trace__V1__TraceChunk* c, void* arg) {
+  if (c->header) {
+    info.layout_version = c->header->layout_version;
+    info.mode = (uint32_t)c->header->mode;
+    snprintf(info.exe, sizeof info.exe, "%s", c->header->exe ? c->header->exe : "");
+  }
+  *(uint64_t*)arg += c->n_op;
+  for (size_t i = 0; i < c->n_op; i++)
+    if (c->thread > info.threads) info.threads = c->thread;
+}
+
+static void fill_chunk(const Hakmem__Trace__V1__TraceChunk* c, void* arg) {
+  uint64_t* k = arg;
+  uint64_t t = 0;
+  for (size_t i = 0; i < c->n_op && *k < nev; i++) {
+    t += c->dt_ns[i];
+    event_t* e = &ev[(*k)++];
+    e->t = t;
+    e->op = (uint8_t)c->op[i];
+    e->size = c->size[i];
+    e->align = c->align[i];
+    e->addr = c->addr[i];
+    e->old = c->old_addr[i];
+    e->thread = c->thread;
+    e->obj = e->old_obj = -1;
+  }
+}
+
+static void load_trace(void) {
+  int fd = open(trace_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) die(1, "%s: %s", trace_path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die(1, "%s: not a regular file", trace_path);
+  info.file_bytes = (uint64_t)st.st_size;
+  const uint8_t* base = (const uint8_t*)"";
+  if (st.st_size > 0) {
+    base = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (base == MAP_FAILED) die(1, "%s: %s", trace_path, strerror(errno));
+  }
+  close(fd);
+  char why[160];
+  int footer;
+  uint64_t count = 0;
+  uint64_t valid = walk(base, info.file_bytes, count_chunk, &count, why, sizeof why, &footer);
+  if (valid == UINT64_MAX) die(1, "%s: %s", trace_path, why);
+  if (why[0]) {
+    if (!partial || valid <= 8) die(1, "%s: %s at byte %" PRIu64 "%s", trace_path, why, valid,
+                                    partial ? "" : " (--partial replays the chunks before it)");
+    info.partial = 1;
+    snprintf(info.cut_reason, sizeof info.cut_reason, "%s at byte %" PRIu64, why, valid);
+  }
+  info.valid_bytes = valid;
+  info.has_footer = footer;
+  nev = count;
+  ev = map_zero(nev * sizeof *ev);
+  uint64_t k = 0;
+  walk(base, valid, fill_chunk, &k, why, sizeof why, &footer);
+  nev = k;
+  info.events = nev;
+  if (st.st_size > 0) munmap((void*)base, (size_t)st.st_size);
+}
+
+/* ---- objects: addresses renamed by time order ----------------------------------- */
+static uint64_t* order;      /* event indices by (time, kind, file order) */
+
+static int kind_of(uint8_t op) {   /* frees first at equal times, then reallocs, then the rest */
+  return op == OP_FREE ? 0 : op == OP_REALLOC ? 1 : op == OP_THREAD_EXIT ? 3 : 2;
+}
+
+static int by_time(const void* a, const void* b) {
+  const event_t *x = &ev[*(const uint64_t*)a], *y = &ev[*(const uint64_t*)b];
+  if (x->t != y->t) return x->t < y->t ? -1 : 1;
+  int kx = kind_of(x->op), ky = kind_of(y->op);
+  if (kx != ky) return kx - ky;
+  return *(const uint64_t*)a < *(const uint64_t*)b ? -1 : 1;
+}
+
+/* Address -> live object: linear probing, deletion by backward shift. */
+typedef struct { uint64_t addr; int64_t obj; } slot_t;
+static slot_t* map;
+static uint64_t map_mask;
+
+static uint64_t hash(uint64_t a) { a ^= a >> 33; a *= 0xff51afd7ed558ccdull; a ^= a >> 33; return a; }
+
+static void map_put(uint64_t addr, int64_t obj) {
+  uint64_t i = hash(addr) & map_mask;
+  while (map[i].addr && map[i].addr != addr) i = (i + 1) & map_mask;
+  map[i].addr = addr;
+  map[i].obj = obj;
+}
+
+static int64_t map_take(uint64_t addr) {
+  uint64_t i = hash(addr) & map_mask;
+  while (map[i].addr && map[i].addr != addr) i = (i + 1) & map_mask;
+  if (!map[i].addr) return -1;
+  int64_t obj = map[i].obj;
+  uint64_t j = i;
+  for (;;) {   /* backward-shift deletion keeps every probe chain whole */
+    map[i].addr = 0;
+    for (;;) {
+      j = (j + 1) & map_mask;
+      if (!map[j].addr) return obj;
+      uint64_t home = hash(map[j].addr) & map_mask;
+      if (i <= j ? (i < home && home <= j) : (i < home || home <= j)) continue;
+      break;
+    }
+    map[i] = map[j];
+    i = j;
+  }
+}
+
+static void rename_objects(void) {
+  order = map_zero(nev * sizeof *order);
+  for (uint64_t i = 0; i < nev; i++) order[i] = i;
+  qsort(order, nev, sizeof *order, by_time);
+  uint64_t cap = 16;
+  while (cap < 2 * nev + 16) cap <<= 1;
+  map = map_zero(cap * sizeof *map);
+  map_mask = cap - 1;
+  int64_t next = 0;
+  for (uint64_t k = 0; k < nev; k++) {
+    event_t* e = &ev[order[k]];
+    switch (e->op) {
+      case OP_FREE:
+        if (!e->addr) break;
+        e->old_obj = map_take(e->addr);
+        if (e->old_obj < 0) info.unmatched_frees++;
+        break;
+      case OP_REALLOC:
+        if (!e->addr) break;   /* failed: the old block stays as it was */
+        if (e->old) {
+          e->old_obj = map_take(e->old);
+          if (e->old_obj < 0) info.unmatched_frees++;
+        }
+        e->obj = next++;
+        map_put(e->addr, e->obj);
+        break;
+      case OP_MALLOC: case OP_CALLOC: case OP_ALIGNED:
+        if (!e->addr) break;
+        if (map_take(e->addr) >= 0) info.unmatched_frees++;   /* its free was never seen */
+        e->obj = next++;
+        map_put(e->addr, e->obj);
+        break;
+    }
+  }
+  info.objects = (uint64_t)next;
+  munmap(order, nev * sizeof *order);
+  munmap(map, cap * sizeof *map);
+}
+
+/* ---- the replay ------------------------------------------------------------------ */
+static _Atomic(void*)* objs;
+static uint64_t** thread_events;   /* per trace thread: event indices, file order */
+static uint64_t* thread_nev;
+static pthread_barrier_t start_bar;
+static uint64_t replay_t0;   /* CLOCK_MONOTONIC when the barrier opened */
+static _Atomic uint64_t idle_ns;
+static _Atomic uint64_t ops_done;
+static _Atomic int stuck;
+
+static void touch(void* p, uint64_t n) {
+  if (!touch_pages || !p || n == 0) return;
+  uint8_t* b = p;
+  memset(b, 0xa5, n < 64 ? n : 64);
+  for (uint64_t o = 4096; o < n; o += 4096) b[o] = 1;
+  b[n - 1] = 2;
+}
+
+/* The object's block, once its allocating thread has made it. */
+static void* wait_obj(int64_t id) {
+  void* p;
+  unsigned spins = 0;
+  uint64_t yields = 0;
+  while (!(p = atomic_load_explicit(&objs[id], memory_order_acquire))) {
+    if (++spins < 64) { __builtin_ia32_pause(); continue; }
+    spins = 0;
+    sched_yield();
+    if (++yields > 20000000 || atomic_load_explicit(&stuck, memory_order_relaxed)) {
+      atomic_store(&stuck, 1);
+      return NULL;
+    }
+  }
+  return p;
+}
+
+static void* replay_thread(void* arg) {
+  uint64_t t = (uint64_t)(uintptr_t)arg;
+  uint64_t* list = thread_events[t];
+  uint64_t n = thread_nev[t], done = 0, prev_t = 0, slept = 0;
+  pthread_barrier_wait(&start_bar);
+  for (uint64_t k = 0; k < n; k++) {
+    event_t* e = &ev[list[k]];
+    void* p = NULL;
+    if (pace_idle && e->t - prev_t >= GAP_NS && e->t > prev_t) {
+      /* Only at a gap does the clock get read: the replay keeps the
+       * trace's idle time, not its busy time. */
+      uint64_t target = replay_t0 + e->t, now = now_ns();
+      if (target > now) {
+        struct timespec ts = {(time_t)((target - now) / 1000000000u), (long)((target - now) % 1000000000u)};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+        slept += target - now;
+      }
+    }
+    prev_t = e->t;
+    switch (e->op) {
+      case OP_MALLOC:
+        if (e->obj < 0) continue;
+        p = malloc(e->size);
+        break;
+      case OP_CALLOC:
+        if (e->obj < 0) continue;
+        p = calloc(1, e->size);
+        break;
+      case OP_ALIGNED:
+        if (e->obj < 0) continue;
+        if (posix_memalign(&p, e->align >= sizeof(void*) && !(e->align & (e->align - 1)) ? e->align : 16,
+                           e->size) != 0)
+          p = NULL;
+        break;
+      case OP_REALLOC: {
+        if (e->obj < 0) continue;
+        void* q = e->old_obj >= 0 ? wait_obj(e->old_obj) : NULL;
+        if (e->old_obj >= 0 && !q) goto out;
+        if (e->old_obj >= 0) atomic_store_explicit(&objs[e->old_obj], NULL, memory_order_relaxed);
+        p = realloc(q, e->size);
+        if (p) touch(p, e->size < 64 ? e->size : 64);
+        atomic_store_explicit(&objs[e->obj], p ? p : (void*)1, memory_order_release);
+        done++;
+        continue;
+      }
+      case OP_FREE: {
+        if (e->old_obj < 0) continue;
+        void* q = wait_obj(e->old_obj);
+        if (!q) goto out;
+        atomic_store_explicit(&objs[e->old_obj], NULL, memory_order_relaxed);
+        if (q != (void*)1) free(q);
+        done++;
+        continue;
+      }
+      case OP_THREAD_EXIT:
+        goto out;
+    }
+    if (p) touch(p, e->size);
+    /* A failed allocation still "exists" for its free to find: (void*)1. */
+    atomic_store_explicit(&objs[e->obj], p ? p : (void*)1, memory_order_release);
+    done++;
+  }
+out:
+  atomic_fetch_add(&ops_done, done);
+  atomic_fetch_add(&idle_ns, slept);
+  return NULL;
+}
+
+/* ---- the policy ------------------------------------------------------------------- */
+static const char* skip_ws(const char* s) {
+  while (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r') s++;
+  return s;
+}
+
+static const char* parse_num(const char* s, uint64_t* v, const char* key) {
+  s = skip_ws(s);
+  char* end;
+  errno = 0;
+  if (*s == '-') die(2, "%s: %s: negative value", policy_path, key);
+  unsigned long long x = strtoull(s, &end, 10);
+  if (end == s || errno) die(2, "%s: %s: expected a number", policy_path, key);
+  if (*end == '.') {   /* 12.0 from a JSON writer: whole numbers only */
+    char* e2;
+    double d = strtod(s, &e2);
+    if (d != (double)(unsigned long long)d) die(2, "%s: %s: %g is not a whole number", policy_path, key, d);
+    end = e2;
+  }
+  *v = x;
+  return end;
+}
+
+/* {"drain_ms": N, "tcache_cap": N or [per class], ...}: a per-class value
+ * given once applies to every class, fitted into that class's bounds; an
+ * array is taken as it is (index = class; class 0 ignored). */
+static void load_policy(hk_policy_t* p) {
+  hk_policy_get(p);
+  if (!policy_path) return;
+  int fd = open(policy_path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) die(2, "%s: %s", policy_path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > (1 << 20))
+    die(2, "%s: not a regular file of at most 1 MiB", policy_path);
+  char* text = map_zero((size_t)st.st_size + 1);
+  if (read(fd, text, (size_t)st.st_size) != st.st_size) die(2, "%s: short read", policy_path);
+  close(fd);
+  const char* s = skip_ws(text);
+  if (*s++ != '{') die(2, "%s: expected a JSON object", policy_path);
+  for (s = skip_ws(s); *s != '}';) {
+    if (*s != '"') die(2, "%s: expected a knob name", policy_path);
+    const char* k0 = ++s;
+    while (*s && *s != '"') s++;
+    if (!*s) die(2, "%s: unterminated name", policy_path);
+    char key[64];
+    snprintf(key, sizeof key, "%.*s", (int)(s - k0), k0);
+    s = skip_ws(s + 1);
+    if (*s++ != ':') die(2, "%s: expected ':' after \"%s\"", policy_path, key);
+    s = skip_ws(s);
+    bool known = false;
+#define PROC_KNOB(name, NAME, bounds, env, unit, min, max, def, desc)       \
+    if (!strcmp(key, #name)) {                                               \
+      uint64_t v;                                                            \
+      s = parse_num(s, &v, key);                                             \
+      p->name = (uint32_t)(v > UINT32_MAX ? UINT32_MAX : v);                 \
+      known = true;                                                          \
+    }
+    HK_PROC_KNOBS(PROC_KNOB)
+#undef PROC_KNOB
+#define CLASS_KNOB(name, NAME, bounds, env, unit, min, max, def, desc)      \
+    if (!strcmp(key, #name)) {                                               \
+      known = true;                                                          \
+      if (*s == '[') {                                                       \
+        s++;                                                                 \
+        for (unsigned c = 0;; c++) {                                         \
+          s = skip_ws(s);                                                    \
+          if (*s == ']') { s++; break; }                                     \
+          uint64_t v;                                                        \
+          s = parse_num(s, &v, key);                                         \
+          if (c >= HK_NUM_CLASSES) die(2, "%s: %s: more than %d classes", policy_path, key, HK_NUM_CLASSES); \
+          if (c > 0) p->name[c] = (uint32_t)(v > UINT32_MAX ? UINT32_MAX : v); \
+          s = skip_ws(s);                                                    \
+          if (*s == ',') s++;                                                \
+        }                                                                    \
+      } else {                                                               \
+        uint64_t v;                                                          \
+        s = parse_num(s, &v, key);                                           \
+        for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {                      \
+          hk_policy_bounds_t b;                                              \
+          hk_policy_bounds(c, &b);                                           \
+          uint64_t x = v < b.bounds##_min ? b.bounds##_min : v > b.bounds##_max ? b.bounds##_max : v; \
+          p->name[c] = (uint32_t)x;                                          \
+        }                                                                    \
+      }                                                                      \
+    }
+    HK_CLASS_KNOBS(CLASS_KNOB)
+#undef CLASS_KNOB
+    if (!known) die(2, "%s: unknown knob \"%s\"", policy_path, key);
+    s = skip_ws(s);
+    if (*s == ',') s = skip_ws(s + 1);
+    else if (*s != '}') die(2, "%s: expected ',' or '}' after \"%s\"", policy_path, key);
+  }
+  /* A scalar batch may exceed a class's clamped cap: fit it under. */
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++)
+    if (p->tcache_batch[c] > p->tcache_cap[c] && p->tcache_cap[c] > 0) p->tcache_batch[c] = p->tcache_cap[c];
+}
+
+/* ---- one run (a child process) ---------------------------------------------------- */
+typedef struct {
+  trace_info_t info;
+  hk_policy_t policy;
+  double wall_s, cpu_s, idle_s;
+  uint64_t peak_rss, base_rss, minflt, majflt, ops;
+  uint64_t proc[64];
+  uint64_t cls[64];       /* class counters summed over classes */
+} run_t;
+
+#define X_COUNT(name, desc) +1
+enum { N_PROC = 0 HK_PROC_COUNTERS(X_COUNT), N_CLS = 0 HK_CLASS_COUNTERS(X_COUNT) };
+#undef X_COUNT
+_Static_assert(N_PROC <= 64 && N_CLS <= 64, "counter arrays fit");
+
+static uint64_t status_kb(const char* field) {
+  char buf[4096];
+  int fd = open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  const char* p = strstr(buf, field);
+  return p ? strtoull(p + strlen(field), NULL, 10) : 0;
+}
+
+static double cpu_seconds(const struct rusage* r) {
+  return (double)r->ru_utime.tv_sec + r->ru_utime.tv_usec * 1e-6 + (double)r->ru_stime.tv_sec +
+         r->ru_stime.tv_usec * 1e-6;
+}
+
+static void stats_flat(const hk_stats_t* s, uint64_t* proc, uint64_t* cls) {
+  unsigned i = 0;
+#define X_P(name, desc) proc[i++] = s->name;
+  HK_PROC_COUNTERS(X_P)
+#undef X_P
+  memset(cls, 0, N_CLS * sizeof *cls);
+  for (unsigned c = 0; c < HK_NUM_CLASSES; c++) {
+    unsigned j = 0;
+#define X_C(name, desc) cls[j++] += s->cls[c].name;
+    HK_CLASS_COUNTERS(X_C)
+#undef X_C
+  }
+}
+
+static int run_once(int out_fd) {
+  load_trace();
+  rename_objects();
+  hk_policy_t pol;
+  load_policy(&pol);
+  if (policy_path && hk_policy_set(&pol) == 0)
+    die(2, "%s: the allocator rejects this policy (a value out of its bounds)", policy_path);
+  uint32_t nt = info.threads;
+  thread_nev = map_zero((nt + 1) * sizeof *thread_nev);
+  thread_events = map_zero((nt + 1) * sizeof *thread_events);
+  for (uint64_t i = 0; i < nev; i++) thread_nev[ev[i].thread]++;
+  for (uint32_t t = 1; t <= nt; t++) thread_events[t] = map_zero(thread_nev[t] * sizeof(uint64_t));
+  uint64_t* fill = map_zero((nt + 1) * sizeof *fill);
+  for (uint64_t i = 0; i < nev; i++) thread_events[ev[i].thread][fill[ev[i].thread]++] = i;
+  objs = map_zero(info.objects * sizeof *objs);
+
+  run_t r;
+  memset(&r, 0, sizeof r);
+  uint32_t active = 0;
+  for (uint32_t t = 1; t <= nt; t++) active += thread_nev[t] > 0;
+  pthread_t* tid = map_zero((nt + 1) * sizeof *tid);
+  pthread_barrier_init(&start_bar, NULL, active + 1);
+  hk_stats_t s0, s1;
+  for (uint32_t t = 1; t <= nt; t++)
+    if (thread_nev[t] && pthread_create(&tid[t], NULL, replay_thread, (void*)(uintptr_t)t) != 0)
+      die(1, "%s: cannot start replay thread %u", trace_path, t);
+  /* The high-water mark from here on: what loading took is not the replay's. */
+  int cr = open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (cr >= 0) { (void)!write(cr, "5", 1); close(cr); }
+  r.base_rss = status_kb("VmRSS:") * 1024;
+  hk_stats_get(&s0);
+  struct rusage u0, u1;
+  getrusage(RUSAGE_SELF, &u0);
+  uint64_t t0 = now_ns();
+  replay_t0 = t0;
+  pthread_barrier_wait(&start_bar);
+  for (uint32_t t = 1; t <= nt; t++)
+    if (thread_nev[t]) pthread_join(tid[t], NULL);
+  uint64_t t1 = now_ns();
+  getrusage(RUSAGE_SELF, &u1);
+  hk_stats_get(&s1);
+  if (atomic_load(&stuck))
+    die(1, "%s: replay stuck: a thread waited over a minute for an object another thread never made "
+        "(events out of time order?)", trace_path);
+  r.peak_rss = status_kb("VmHWM:") * 1024;
+  r.wall_s = (double)(t1 - t0) * 1e-9;
+  r.idle_s = (double)atomic_load(&idle_ns) * 1e-9;
+  r.cpu_s = cpu_seconds(&u1) - cpu_seconds(&u0);
+  r.minflt = (uint64_t)(u1.ru_minflt - u0.ru_minflt);
+  r.majflt = (uint64_t)(u1.ru_majflt - u0.ru_majflt);
+  r.ops = atomic_load(&ops_done);
+  uint64_t p0[64], c0[64];
+  stats_flat(&s0, p0, c0);
+  stats_flat(&s1, r.proc, r.cls);
+  unsigned i = 0;
+  /* Gauges are reported as they stand at the end; counters as what the
+   * replay added. */
+#define X_D(name, desc) if (strncmp(desc, "gauge", 5) != 0) r.proc[i] -= p0[i]; i++;
+  HK_PROC_COUNTERS(X_D)
+#undef X_D
+  for (unsigned j = 0; j < N_CLS; j++) r.cls[j] -= c0[j];
+  hk_policy_get(&r.policy);
+  r.info = info;
+  /* What is still live goes back after the measurement. */
+  for (uint64_t k = 0; k < info.objects; k++) {
+    void* p = atomic_load(&objs[k]);
+    if (p && p != (void*)1) free(p);
+  }
+  const char* b = (const char*)&r;
+  size_t left = sizeof r;
+  while (left) {
+    ssize_t w = write(out_fd, b, left);
+    if (w <= 0) { if (errno == EINTR) continue; return 1; }
+    b += w;
+    left -= (size_t)w;
+  }
+  return 0;
+}
+
+/* ---- the parent: runs, medians, output ------------------------------------------- */
+static int cmp_double(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double* v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static double spread(double* v, int n, double med) {   /* (max - min) / median */
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return med > 0 ? (v[n - 1] - v[0]) / med : 0;
+}
+
+static void json_str(const char* s) {
+  putchar('"');
+  for (; *s; s++) {
+    unsigned char ch = (unsigned char)*s;
+    if (ch == '"' || ch == '\\') printf("\\%c", ch);
+    else if (ch < 0x20) printf("\\u%04x", ch);
+    else putchar(ch);
+  }
+  putchar('"');
+}
+
+static uint64_t os_calls(const run_t* r) {
+  uint64_t sum = 0;
+  unsigned i = 0;
+#define X_O(name, desc) if (strstr(#name, "_calls")) sum += r->proc[i]; i++;
+  HK_PROC_COUNTERS(X_O)
+#undef X_O
+  return sum;
+}
+
+static void print_policy(const hk_policy_t* p) {
+  printf("{");
+  bool first = true;
+#define PK(name, NAME, bounds, env, unit, min, max, def, desc) \
+  printf("%s\"%s\": %u", first ? "" : ", ", #name, p->name); first = false;
+  HK_PROC_KNOBS(PK)
+#undef PK
+#define CK(name, NAME, bounds, env, unit, min, max, def, desc)   \
+  printf("%s\"%s\": [", first ? "" : ", ", #name); first = false; \
+  for (unsigned c = 0; c < HK_NUM_CLASSES; c++) printf("%s%u", c ? ", " : "", p->name[c]); \
+  printf("]");
+  HK_CLASS_KNOBS(CK)
+#undef CK
+  printf("}");
+}
+
+static void print_json(run_t* runs, int n) {
+  const trace_info_t* t = &runs[0].info;
+  printf("{\"trace\": {\"path\": ");
+  json_str(trace_path);
+  printf(", \"mode\": \"%s\", \"layout_version\": %u, \"exe\": ", mode_name(t->mode), t->layout_version);
+  json_str(t->exe);
+  printf(", \"events\": %" PRIu64 ", \"threads\": %u, \"objects\": %" PRIu64 ", \"unmatched_frees\": %" PRIu64
+         ", \"partial\": %s, \"valid_bytes\": %" PRIu64 ", \"file_bytes\": %" PRIu64 ", \"cut_reason\": ",
+         t->events, t->threads, t->objects, t->unmatched_frees, t->partial ? "true" : "false", t->valid_bytes,
+         t->file_bytes);
+  if (t->cut_reason[0]) json_str(t->cut_reason); else printf("null");
+  printf("},\n \"policy\": ");
+  print_policy(&runs[0].policy);
+  printf(",\n \"touch\": \"%s\", \"pace\": \"%s\", \"repeat\": %d,\n \"runs\": [", touch_pages ? "pages" : "none",
+         pace_idle ? "idle" : "none", n);
+  for (int k = 0; k < n; k++) {
+    run_t* r = &runs[k];
+    printf("%s\n  {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"idle_s\": %.6f, \"peak_rss_bytes\": %" PRIu64
+           ", \"base_rss_bytes\": %" PRIu64 ", \"minflt\": %" PRIu64 ", \"majflt\": %" PRIu64 ", \"ops\": %" PRIu64
+           ", \"os_calls\": {", k ? "," : "", r->wall_s, r->cpu_s, r->idle_s, r->peak_rss, r->base_rss, r->minflt,
+           r->majflt, r->ops);
+    unsigned i = 0;
+    bool first = true;
+#define X_OC(name, desc) if (strstr(#name, "_calls")) { printf("%s\"%.*s\": %" PRIu64, first ? "" : ", ", \
+      (int)(strlen(#name) - 6), #name, r->proc[i]); first = false; } i++;
+    HK_PROC_COUNTERS(X_OC)
+#undef X_OC
+    printf("}, \"counters\": {");
+    i = 0;
+    first = true;
+#define X_PC(name, desc) printf("%s\"%s\": %" PRIu64, first ? "" : ", ", #name, r->proc[i++]); first = false;
+    HK_PROC_COUNTERS(X_PC)
+#undef X_PC
+    i = 0;
+#define X_CC(name, desc) printf(", \"%s\": %" PRIu64, #name, r->cls[i++]);
+    HK_CLASS_COUNTERS(X_CC)
+#undef X_CC
+    printf("}}");
+  }
+  double w[MAX_REPEAT], c[MAX_REPEAT], rss[MAX_REPEAT], f[MAX_REPEAT], o[MAX_REPEAT];
+  for (int k = 0; k < n; k++) {
+    w[k] = runs[k].wall_s; c[k] = runs[k].cpu_s; rss[k] = (double)runs[k].peak_rss;
+    f[k] = (double)runs[k].minflt; o[k] = (double)os_calls(&runs[k]);
+  }
+  double mw = median(w, n), mc = median(c, n), mr = median(rss, n), mf = median(f, n), mo = median(o, n);
+  printf("],\n \"median\": {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"peak_rss_bytes\": %.0f, \"minflt\": %.0f, \"os_calls\": %.0f},\n",
+         mw, mc, mr, mf, mo);
+  printf(" \"spread\": {\"wall_s\": %.6f, \"cpu_s\": %.6f, \"peak_rss_bytes\": %.6f, \"minflt\": %.6f}}\n",
+         spread(w, n, mw), spread(c, n, mc), spread(rss, n, mr), spread(f, n, mf));
+}
+
+static void print_text(run_t* runs, int n) {
+  const trace_info_t* t = &runs[0].info;
+  printf("trace %s: %s, %" PRIu64 " events, %u threads, %" PRIu64 " objects, %" PRIu64 " unmatched frees%s%s\n",
+         trace_path, mode_name(t->mode), t->events, t->threads, t->objects, t->unmatched_frees,
+         t->partial ? "; partial: " : "", t->partial ? t->cut_reason : "");
+  double w[MAX_REPEAT], rss[MAX_REPEAT];
+  for (int k = 0; k < n; k++) {
+    const run_t* r = &runs[k];
+    printf("run %d: %.3f s wall (%.3f idle), %.3f s cpu, peak RSS %.1f MiB (base %.1f), %" PRIu64 " page faults, %" PRIu64
+           " OS calls, %" PRIu64 " ops\n", k + 1, r->wall_s, r->idle_s, r->cpu_s, r->peak_rss / 1048576.0,
+           r->base_rss / 1048576.0, r->minflt, os_calls(r), r->ops);
+    w[k] = r->wall_s;
+    rss[k] = (double)r->peak_rss;
+  }
+  double mw = median(w, n), mr = median(rss, n);
+  if (n > 1)
+    printf("median of %d: %.3f s (spread %.1f%%), peak RSS %.1f MiB (spread %.1f%%)\n", n, mw,
+           100 * spread(w, n, mw), mr / 1048576.0, 100 * spread(rss, n, mr));
+}
+
+static void usage(FILE* f) {
+  fprintf(f,
+    "usage: hakmem-replay [--policy FILE] [--repeat N] [--partial] [--touch pages|none] [--pace idle|none]\n"
+    "                     [--json] TRACE\n"
+    "\n"
+    "Replays an allocation trace (HAKMEM_TRACE, `hakmem trace record`) through hakmem under a fixed\n"
+    "policy and reports time, peak resident memory, page faults, OS calls and the allocator's counters.\n"
+    "Threads run as recorded and cross-thread frees stay cross-thread. Events run back to back but for\n"
+    "the trace's idle gaps (see --pace). Each run is a fresh process, with no HAKMEM_* variable of the\n"
+    "caller's environment (the policy is --policy's) and no telemetry.\n"
+    "\n"
+    "  --policy FILE   knobs as JSON: {\"drain_ms\": N, \"tcache_cap\": N or [per class], \"tcache_batch\": ...,\n"
+    "                  \"warm_slabs\": ...}; a single per-class value applies to every class, fitted into\n"
+    "                  its bounds; absent knobs keep the default (default: the default policy)\n"
+    "  --repeat N      N runs (1-%d), each in a fresh process; medians and spreads over them\n"
+    "  --partial       replay the complete chunks before a cut or damaged one instead of refusing\n"
+    "  --touch MODE    pages (default): write each new object's first bytes and a byte per 4 KiB page;\n"
+    "                  none: no writes\n"
+    "  --pace MODE     idle (default): a thread whose next event comes 1 ms or more after its last one\n"
+    "                  waits until that much of the trace's time has passed, so idle drains and decay\n"
+    "                  happen as they did; none: everything back to back\n"
+    "  --json          one JSON document on stdout\n"
+    "\n"
+    "Exit status: 0 replayed; 1 the trace cannot be replayed (one line says why, with the byte offset);\n"
+    "2 bad usage or policy.\n", MAX_REPEAT);
+}
+
+int main(int argc, char** argv) {
+  int run_fd = -1;
+  for (int i = 1; i < argc; i++) {
+    const char* a = argv[i];
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
+    else if (!strcmp(a, "--json")) json_out = true;
+    else if (!strcmp(a, "--partial")) partial = true;
+    else if (!strcmp(a, "--policy") && i + 1 < argc) policy_path = argv[++i];
+    else if (!strcmp(a, "--touch") && i + 1 < argc) {
+      const char* m = argv[++i];
+      if (!strcmp(m, "pages")) touch_pages = true;
+      else if (!strcmp(m, "none")) touch_pages = false;
+      else die(2, "--touch: expected pages or none, not '%s'", m);
+    } else if (!strcmp(a, "--pace") && i + 1 < argc) {
+      const char* m = argv[++i];
+      if (!strcmp(m, "idle")) pace_idle = true;
+      else if (!strcmp(m, "none")) pace_idle = false;
+      else die(2, "--pace: expected idle or none, not '%s'", m);
+    } else if (!strcmp(a, "--repeat") && i + 1 < argc) {
+      char* end;
+      long v = strtol(argv[++i], &end, 10);
+      if (*end || v < 1 || v > MAX_REPEAT) die(2, "--repeat: expected 1 to %d, not '%s'", MAX_REPEAT, argv[i]);
+      repeat = (int)v;
+    } else if (!strcmp(a, "--run-fd") && i + 1 < argc) run_fd = atoi(argv[++i]);
+    else if (a[0] == '-' && a[1]) die(2, "unknown option '%s' (see --help)", a);
+    else if (!trace_path) trace_path = a;
+    else die(2, "one trace at a time ('%s' and '%s')", trace_path, a);
+  }
+  if (!trace_path) die(2, "no trace given (see --help)");
+  if (run_fd >= 0) return run_once(run_fd);
+
+  run_t* runs = map_zero((size_t)repeat * sizeof *runs);
+  for (int k = 0; k < repeat; k++) {
+    int pfd[2];
+    if (pipe2(pfd, O_CLOEXEC) != 0) die(1, "pipe: %s", strerror(errno));
+    pid_t pid = fork();
+    if (pid < 0) die(1, "fork: %s", strerror(errno));
+    if (pid == 0) {
+      char fdbuf[16];
+      snprintf(fdbuf, sizeof fdbuf, "%d", pfd[1]);
+      fcntl(pfd[1], F_SETFD, 0);
+      char* args[16];
+      int n = 0;
+      args[n++] = argv[0];
+      args[n++] = "--run-fd";
+      args[n++] = fdbuf;
+      if (policy_path) { args[n++] = "--policy"; args[n++] = (char*)policy_path; }
+      if (partial) args[n++] = "--partial";
+      if (!touch_pages) { args[n++] = "--touch"; args[n++] = "none"; }
+      if (!pace_idle) { args[n++] = "--pace"; args[n++] = "none"; }
+      args[n++] = (char*)trace_path;
+      args[n] = NULL;
+      /* A run is the policy it was given, nothing else: no HAKMEM_* from
+       * the caller's environment (a knob there would change "default"; a
+       * trace variable would capture the replay), and no telemetry, so
+       * hakmem-learnd does not learn the replayer as a program. */
+      extern char** environ;
+      for (char** e = environ; e && *e;) {
+        if (strncmp(*e, "HAKMEM_", 7) == 0) {
+          char name[128];
+          size_t len = strcspn(*e, "=");
+          snprintf(name, sizeof name, "%.*s", (int)len, *e);
+          unsetenv(name);
+        } else {
+          e++;
+        }
+      }
+      setenv("HAKMEM_TELEMETRY", "0", 1);
+      execv("/proc/self/exe", args);
+      _exit(127);
+    }
+    close(pfd[1]);
+    size_t got = 0;
+    char* b = (char*)&runs[k];
+    while (got < sizeof *runs) {
+      ssize_t r = read(pfd[0], b + got, sizeof *runs - got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) break;
+      got += (size_t)r;
+    }
+    close(pfd[0]);
+    int st;
+    while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {}
+    if (WIFEXITED(st) && WEXITSTATUS(st) != 0) return WEXITSTATUS(st);   /* it said why */
+    if (!WIFEXITED(st)) die(1, "%s: run %d died of signal %d", trace_path, k + 1, WTERMSIG(st));
+    if (got != sizeof *runs) die(1, "%s: run %d reported nothing", trace_path, k + 1);
+  }
+  if (json_out) print_json(runs, repeat);
+  else print_text(runs, repeat);
+  return 0;
+}

@@ -29,10 +29,15 @@ RELEASE_CFLAGS := -O2 -g -DNDEBUG
 # recorded in a stamp so objects rebuild when the answer changes.
 DEBUG_CFLAGS    = -O1 -g -DHK_DEBUG=1 -fno-omit-frame-pointer \
   $(if $(wildcard /usr/include/valgrind/memcheck.h),-DHK_VALGRIND=1)
-LDLIBS_ALLOC   := -pthread
+LDLIBS_ALLOC   := -pthread -lprotobuf-c
 
 REL_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/obj/%.o)
 DBG_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/debug/obj/%.o)
+# Capture (trace.c) packs TraceChunks with protobuf-c code generated from
+# proto/trace.proto, compiled into the library like its own sources.
+ALLOC_CFLAGS += -I$(BUILD)/proto
+REL_OBJS += $(BUILD)/obj/trace.pb-c.o
+DBG_OBJS += $(BUILD)/debug/obj/trace.pb-c.o
 
 TEST_SRCS := $(sort $(wildcard $(TST_DIR)/test_*.c))
 TEST_CXX  := $(sort $(wildcard $(TST_DIR)/test_*.cc))
@@ -41,6 +46,8 @@ REL_TESTS := $(TEST_NAMES:%=$(BUILD)/tests/%)
 DBG_TESTS := $(TEST_NAMES:%=$(BUILD)/debug/tests/%)
 TEST_CFLAGS := -std=gnu11 -O1 -g -Wall -Wextra -Wno-unused-parameter -I$(INC_DIR) -I$(TST_DIR) -pthread \
   -fno-builtin-malloc -fno-builtin-free -fno-builtin-calloc -fno-builtin-realloc
+# test_trace.c decodes traces with the generated protobuf-c code.
+TEST_CFLAGS += -I$(BUILD)/proto
 TEST_CXXFLAGS := -std=gnu++17 -O1 -g -Wall -Wextra -I$(INC_DIR) -I$(TST_DIR) -pthread
 
 # The Python side (learner/: the hakmem package and CLI) lives in .venv.
@@ -88,6 +95,18 @@ $(BUILD)/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile
 	@$(if $(Q),echo "  CC      $@")
 	$(Q)$(CC) $(ALLOC_CFLAGS) $(RELEASE_CFLAGS) -c $< -o $@
 
+$(BUILD)/obj/trace.o $(BUILD)/debug/obj/trace.o: $(BUILD)/proto/trace.pb-c.h
+
+$(BUILD)/obj/trace.pb-c.o: $(BUILD)/proto/trace.pb-c.c $(BUILD)/proto/trace.pb-c.h
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) $(ALLOC_CFLAGS) $(RELEASE_CFLAGS) -Wno-shadow -c $< -o $@
+
+$(BUILD)/debug/obj/trace.pb-c.o: $(BUILD)/proto/trace.pb-c.c $(BUILD)/proto/trace.pb-c.h $(BUILD)/debug/cflags.stamp
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) $(ALLOC_CFLAGS) $(DEBUG_CFLAGS) -Wno-shadow -c $< -o $@
+
 $(BUILD)/debug/cflags.stamp: FORCE
 	@mkdir -p $(@D)
 	@echo '$(DEBUG_CFLAGS)' | cmp -s - $@ || echo '$(DEBUG_CFLAGS)' > $@
@@ -102,11 +121,11 @@ $(BUILD)/debug/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile $(BUILD)/debug/cflags.st
 
 $(BUILD)/libhakmem.so: $(REL_OBJS)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,$(HK_SONAME) -o $@ $^ $(LDLIBS_ALLOC)
 
 $(BUILD)/debug/libhakmem.so: $(DBG_OBJS)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,libhakmem.so -o $@ $^ $(LDLIBS_ALLOC)
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,$(HK_SONAME) -o $@ $^ $(LDLIBS_ALLOC)
 
 $(BUILD)/libhakmem.a: $(REL_OBJS)
 	@$(if $(Q),echo "  AR      $@")
@@ -121,27 +140,27 @@ $(BUILD)/debug/libhakmem.a: $(DBG_OBJS)
 $(BUILD)/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
-	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/libhakmem.a -pthread
+	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/libhakmem.a -lprotobuf-c -pthread
 
 $(BUILD)/debug/tests/%: $(TST_DIR)/%.c $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/debug/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
-	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
+	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -lprotobuf-c -pthread
 
 $(BUILD)/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
-	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/libhakmem.a -pthread
+	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/libhakmem.a -lprotobuf-c -pthread
 
 $(BUILD)/debug/tests/%: $(TST_DIR)/%.cc $(TST_DIR)/harness.h $(TST_DIR)/testutil.h $(BUILD)/debug/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
-	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
+	$(Q)$(CXX) $(TEST_CXXFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -lprotobuf-c -pthread
 
 $(BUILD)/debug/tests/vgcheck_bugs: $(TST_DIR)/vgcheck_bugs.c $(BUILD)/debug/libhakmem.a
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  TEST    $@")
-	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -pthread
+	$(Q)$(CC) $(TEST_CFLAGS) $< -o $@ $(BUILD)/debug/libhakmem.a -lprotobuf-c -pthread
 
 # The telemetry tests' workload is an ordinary program: hakmem comes by preload.
 $(BUILD)/learner/workload: learner/tests/workload.c
@@ -149,13 +168,67 @@ $(BUILD)/learner/workload: learner/tests/workload.c
 	@$(if $(Q),echo "  CC      $@")
 	$(Q)$(CC) -std=gnu11 -O1 -g -Wall -Wextra -pthread $< -o $@
 
+# ---- hakmem-bpf (bpf/, issue 16): the kernel's side of each program's cost ----
+# CO-RE: vmlinux.h is dumped from this kernel's BTF at build time, the BPF
+# object compiled against it, its libbpf skeleton generated, the loader linked
+# with it. Without BTF the build says so and goes on without hakmem-bpf
+# (learnd then measures with /proc). bpftool, clang, libbpf: `make deps`.
+BPFTOOL   ?= $(or $(shell command -v bpftool 2>/dev/null),/usr/sbin/bpftool)
+BPF_CLANG ?= clang
+BPF_ARCH  := $(patsubst x86_64,x86,$(patsubst aarch64,arm64,$(shell uname -m)))
+KERNEL_BTF ?= /sys/kernel/btf/vmlinux
+
+.PHONY: bpf
+ifneq ($(wildcard $(KERNEL_BTF)),)
+bpf: $(BUILD)/hakmem-bpf ## hakmem-bpf, the BPF loader learnd starts (needs the kernel's BTF)
+else
+bpf:
+	@echo "  SKIP    $(BUILD)/hakmem-bpf: no kernel BTF at $(KERNEL_BTF); learnd will use /proc"
+endif
+
+$(BUILD)/bpf/vmlinux.h:
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  BTF     $@")
+	$(Q)$(BPFTOOL) btf dump file $(KERNEL_BTF) format c > $@.tmp && mv $@.tmp $@
+
+$(BUILD)/bpf/hakmem.bpf.o: bpf/hakmem.bpf.c bpf/hakmem_kernel.h $(BUILD)/bpf/vmlinux.h
+	@$(if $(Q),echo "  BPF     $@")
+	$(Q)$(BPF_CLANG) -g -O2 -target bpf -D__TARGET_ARCH_$(BPF_ARCH) -I$(BUILD)/bpf -Ibpf -c $< -o $@
+
+$(BUILD)/bpf/hakmem.skel.h: $(BUILD)/bpf/hakmem.bpf.o
+	@$(if $(Q),echo "  SKEL    $@")
+	$(Q)$(BPFTOOL) gen skeleton $< name hakmem_bpf > $@.tmp && mv $@.tmp $@
+
+$(BUILD)/hakmem-bpf: bpf/loader.c bpf/hakmem_kernel.h $(BUILD)/bpf/hakmem.skel.h $(BUILD)/proto/hakmem.pb-c.c $(BUILD)/proto/hakmem.pb-c.h
+	@$(if $(Q),echo "  LD      $@")
+	$(Q)$(CC) -std=gnu11 -O2 -g -Wall -Wextra -I$(BUILD)/bpf -I$(BUILD)/proto -Ibpf $< $(BUILD)/proto/hakmem.pb-c.c \
+	  -o $@ -lbpf -lelf -lz -lzmq -lprotobuf-c
+
+# A program that does known numbers of mmap/munmap/madvise/mremap/brk calls
+# and first touches (learner/tests/test_bpf.py).
+$(BUILD)/learner/kernel_ops: learner/tests/kernel_ops.c
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) -std=gnu11 -O1 -g -Wall -Wextra $< -o $@
+
 # A workload that reports exactly what it did (test_counters.py).
 $(BUILD)/learner/counted: learner/tests/counted.c
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  CC      $@")
 	$(Q)$(CC) -std=gnu11 -O1 -g -Wall -Wextra -pthread $< -o $@
 
-tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload $(BUILD)/learner/counted bench-build ## build the C/C++ test programs, the workloads and the benchmarks
+# The replayer (replay/): the real allocator linked in, so every block it
+# replays is hakmem's, under the policy it is given (README "Replay").
+$(BUILD)/hakmem-replay: replay/hakmem-replay.c $(BUILD)/libhakmem.a $(BUILD)/proto/trace.pb-c.h $(INC_DIR)/hakmem.h
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CC      $@")
+	$(Q)$(CC) -std=gnu11 -O2 -g -Wall -Wextra -Wno-unused-parameter -I$(INC_DIR) -I$(SRC_DIR) -I$(BUILD)/proto \
+	  -pthread $< -o $@ $(BUILD)/libhakmem.a -lprotobuf-c
+
+.PHONY: replay
+replay: $(BUILD)/hakmem-replay ## build the trace replayer (build/hakmem-replay)
+
+tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload $(BUILD)/learner/counted bench-build bpf $(BUILD)/learner/kernel_ops $(BUILD)/hakmem-replay ## build the C/C++ test programs, the workloads and the benchmarks
 
 test: deps tests ## install what tests need, build, run every test (C, stress, real programs, memcheck)
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
@@ -164,8 +237,13 @@ test: deps tests ## install what tests need, build, run every test (C, stress, r
 mutate: venv ## apply each curated bug (tools/mutants.toml) to a copy of the tree, run the tests that cover it; fails if one survives
 	$(Q)$(PYTHON3) tools/mutate.py $(MUTATE_ARGS)
 
-.PHONY: demo
-demo: deps lib venv $(BUILD)/learner/workload ## build, run python3 and sqlite3 preloaded, then hakmem-learnd tuning a preloaded workload, and show the learned policy
+.PHONY: demo demo-synthetic
+# make demo: redis-server under redis-benchmark, tuned by learnd (tools/demo_redis.py, issue 17).
+demo: deps lib venv ## redis-server preloaded under redis-benchmark, learnd tuning it for a minute; default vs learned (DEMO_S=60)
+	$(Q)tools/install-deps.sh redis
+	$(Q)$(PY) tools/demo_redis.py --build $(BUILD) $(if $(DEMO_S),--seconds $(DEMO_S))
+
+demo-synthetic: deps lib venv $(BUILD)/learner/workload ## build, run python3 and sqlite3 preloaded, then hakmem-learnd tuning a preloaded workload, and show the learned policy
 	$(Q)tools/demo.sh $(BUILD)
 
 .PHONY: deps
@@ -174,6 +252,7 @@ deps: ## install the Debian packages the build and tests need (root, once)
 
 include bench/bench.mk
 include bench/learn.mk
+include tools/install.mk
 
 clean: ## remove build/ (and .venv with `make clean-all`)
 	$(Q)rm -rf $(BUILD)

@@ -43,6 +43,14 @@ BIN_DIR = BUILD / "bench"
 HAKMEM_LIB = BUILD / "libhakmem.so"
 
 PEERS = ("glibc", "mimalloc", "jemalloc", "tcmalloc")
+
+# A progress bar on a terminal (hakmem.progress: tqdm, off when stderr is not
+# one); without the package (python3 outside .venv) the log lines alone.
+sys.path.insert(0, str(ROOT / "learner"))
+try:
+    from hakmem.progress import progress
+except ImportError:
+    progress = None
 # peer -> (shared object preloaded, Debian package that installs it)
 PEER_LIBS = {
     "mimalloc": ("libmimalloc.so.2", "libmimalloc-dev"),
@@ -61,6 +69,13 @@ OS_CALLS = ("mmap", "munmap", "madvise", "mremap", "brk")
 TARGET_SPEED = 1.00
 TARGET_RSS = 1.25
 TARGET_STEADY_PER_1E8 = 1.0
+# A row whose hakmem or best-peer runs spread wider than this ((max - min) /
+# median) gets up to as many runs again, interleaved like the first ones, so
+# its verdict does not rest on a noisy median.
+SPREAD_WIDE = 0.10
+# Rows whose instructions per operation are counted under callgrind: the
+# single-threaded ones but startup (its work is in child processes).
+CG_SKIP = ("startup",)
 
 
 @dataclass
@@ -73,6 +88,7 @@ class Config:
     full: list[str]
     quick: list[str]
     threads: int = 1
+    cg: list[str] | None = None   # arguments for the callgrind count (default: quick); single-threaded rows only
 
 
 # Full sizes: every hakmem run lasts at least ~0.3 s (LESSONS.md: short runs
@@ -89,7 +105,8 @@ CONFIGS = [
     Config("prodcons_2t", "prodcons", ["2", "4000000", "16", "1024", "42"], ["2", "400000", "16", "1024", "42"], 2),
     Config("realloc_grow", "realloc_grow", ["1600", "1048576", "42"], ["60", "1048576", "42"]),
     Config("aligned", "aligned", ["16000000", "42"], ["1000000", "42"]),
-    Config("large_churn", "large_churn", ["300", "20", "5", "25", "42"], ["40", "20", "5", "25", "42"]),
+    Config("large_churn", "large_churn", ["300", "20", "5", "25", "42"], ["40", "20", "5", "25", "42"],
+           cg=["10", "20", "5", "25", "42"]),
     Config("startup", "startup", ["1000", "3000"], ["100", "3000"]),
     # The field's standard patterns (mimalloc-bench's programs), written from
     # their descriptions: see each source's header.
@@ -106,7 +123,7 @@ CONFIGS = [
     Config("false_sharing_passive_2t", "false_sharing", ["passive", "2", "5000", "10000", "8"],
            ["passive", "2", "500", "10000", "8"], 2),
     Config("object_replace", "object_replace", ["40000", "64", "4096", "1048576", "42"],
-           ["4000", "64", "4096", "1048576", "42"]),
+           ["4000", "64", "4096", "1048576", "42"], cg=["500", "64", "4096", "1048576", "42"]),
 ]
 # The steady-state OS-call target: random_mixed at two lengths; the
 # difference in calls is what the longer run needed once warm.
@@ -402,6 +419,35 @@ def run_timed(cfg: Config, argv: list[str], alloc: Allocator, timeout: float, te
     return run
 
 
+def count_instructions(cfg: Config, alloc: Allocator, timeout: float) -> float | None:
+    """Instructions per operation of one untimed run under callgrind (the
+    benchmark's own work included: it is the same binary for every
+    allocator). None when valgrind or the run fails."""
+    vg = shutil.which("valgrind")
+    if not vg:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [vg, "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", str(BIN_DIR / cfg.binary),
+               *(cfg.cg or cfg.quick)]
+        rc, out, err, timed_out = spawn_and_wait(cmd, alloc_env(alloc), timeout)
+    m = re.findall(r"Collected : (\d+)", err)
+    if rc != 0 or timed_out or not m:
+        return None
+    try:
+        ops = json.loads(out.strip().splitlines()[-1])["ops"]
+    except (ValueError, KeyError, IndexError):
+        return None
+    return int(m[-1]) / ops if ops else None
+
+
+def spread_wide(cfg_raw: dict[str, list[dict]], peers: list[str]) -> bool:
+    """Whether hakmem's or the best peer's runs of a row spread over SPREAD_WIDE."""
+    res = {x: summarize(rs) for x, rs in cfg_raw.items()}
+    ok_peers = [p for p in peers if res.get(p, {}).get("median_ops_per_sec")]
+    best = max(ok_peers, key=lambda p: res[p]["median_ops_per_sec"]) if ok_peers else None
+    return any(res.get(x, {}).get("spread", 0.0) > SPREAD_WIDE for x in ("hakmem", best) if x)
+
+
 def run_strace(strace: list[str], binary: str, argv: list[str], alloc: Allocator, timeout: float) -> dict:
     """One untimed run under strace -c: counts of OS_CALLS, and the ops the
     run reported. LD_PRELOAD goes to the tracee only (-E), not strace."""
@@ -441,8 +487,10 @@ def summarize(runs: list[dict]) -> dict:
         s["error"] = errors[-1]
     if ok:
         v = [r["ops_per_sec"] for r in ok]
-        s.update(median_ops_per_sec=statistics.median(v), min_ops_per_sec=min(v), max_ops_per_sec=max(v),
+        med = statistics.median(v)
+        s.update(median_ops_per_sec=med, min_ops_per_sec=min(v), max_ops_per_sec=max(v),
                  cv=statistics.stdev(v) / statistics.mean(v) if len(v) > 1 else 0.0,
+                 spread=(max(v) - min(v)) / med if med else 0.0,
                  median_peak_rss_kb=statistics.median(r["peak_rss_kb"] or 0 for r in ok))
     return s
 
@@ -455,6 +503,13 @@ def ratios(cfg_res: dict, peers: list[str]) -> dict:
     r: dict = {"best_peer": max(ok_peers, key=lambda p: med[p]) if ok_peers else None}
     h = med.get("hakmem")
     r["vs_best"] = h / med[r["best_peer"]] if h and r["best_peer"] else None
+    # The ratio's spread: hakmem's and the best peer's relative spreads
+    # ((max - min) / median) combined, as for the ratio of two measurements.
+    if r["vs_best"] is not None:
+        sh, sp = cfg_res["hakmem"].get("spread", 0.0), cfg_res[r["best_peer"]].get("spread", 0.0)
+        r["vs_best_spread"] = (sh ** 2 + sp ** 2) ** 0.5
+    else:
+        r["vs_best_spread"] = None
     r["vs_peer"] = {p: h / med[p] for p in ok_peers} if h else {}
     peer_rss = [rss[p] for p in ok_peers if rss.get(p)]
     r["peer_median_rss_kb"] = statistics.median(peer_rss) if peer_rss else None
@@ -534,24 +589,41 @@ def markdown(result: dict) -> str:
         f"hakmem {commit}; {mode}, median of {st['runs']} interleaved runs.",
         "",
     ]
-    head = ["config"] + [a for a in ("hakmem",) if a in names] + peers + ["best peer", "hakmem ÷ best", "RSS ÷ peers", "OS calls/Mop"]
+    head = ["config"] + [a for a in ("hakmem",) if a in names] + peers + ["best peer", "hakmem ÷ best (spread)", "RSS ÷ peers", "OS calls/Mop"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
     for name, c in result["configs"].items():
         res, r = c["results"], c["ratios"]
         row = [name] + [cell(res.get(a)) for a in ("hakmem",) if a in names] + [cell(res.get(p)) for p in peers]
         os_calls = c.get("os_calls", {}).get("hakmem", {})
-        row += [r["best_peer"] or "–", fmt_ratio(r["vs_best"]), fmt_ratio(r["rss_vs_peers"]),
+        ratio = fmt_ratio(r["vs_best"])
+        if r.get("vs_best_spread") is not None:
+            ratio += f" ±{r['vs_best_spread'] * 50:.0f}%"
+        row += [r["best_peer"] or "–", ratio, fmt_ratio(r["rss_vs_peers"]),
                 f"{os_calls['per_mop']:.3g}" if os_calls.get("ok") else "–"]
         lines.append("| " + " | ".join(row) + " |")
     os_note = ("+".join(OS_CALLS) + " per 10⁶ ops in one extra run under strace (startup: per 10⁶ processes)"
                if st["strace"] else "not counted (--no-strace, or no strace)")
-    lines += ["", f"ops/s: median. RSS: hakmem's median peak RSS (VmHWM) ÷ the median of the peers'. OS calls: {os_note}."]
+    lines += ["", f"ops/s: median (more runs where the first ones spread over {SPREAD_WIDE:.0%}). hakmem ÷ best: "
+              f"± half the combined spread ((max − min) ÷ median) of hakmem's and the best peer's runs. "
+              f"RSS: hakmem's median peak RSS (VmHWM) ÷ the median of the peers'. OS calls: {os_note}."]
     libs = "; ".join(f"{a}: {i.get('lib')}" + (f" ({i['package']})" if i.get("package") else "")
                      + (f" (sha256 {i['sha256'][:12]})" if a == "hakmem" else "")
                      for a, i in result["allocators"].items() if a != "hakmem-tel")
     lines += [f"Libraries: {libs}."]
     if result["skipped"]:
         lines += ["Skipped: " + "; ".join(f"{a} ({why})" for a, why in result["skipped"].items()) + "."]
+    cg_rows = {n: c["instructions"] for n, c in result["configs"].items() if c.get("instructions")}
+    if cg_rows:
+        cg_allocs = [a for a in ("hakmem",) + PEERS if any(a in v for v in cg_rows.values())]
+        lines += ["", "Instructions per operation (callgrind, smaller arguments; the same binary for every allocator, "
+                  "so the differences are the allocators'): a second column for the single-threaded rows, free of the "
+                  "machine's timing noise.", "",
+                  "| config | " + " | ".join(cg_allocs) + " | hakmem ÷ fewest peer |", "|---|" + "---:|" * (len(cg_allocs) + 1)]
+        for n, v in cg_rows.items():
+            peer_v = [v[a] for a in PEERS if v.get(a)]
+            best = min(peer_v) if peer_v else None
+            rat = f"{v['hakmem'] / best:.2f}×" if best and v.get("hakmem") else "–"
+            lines.append(f"| {n} | " + " | ".join(f"{v[a]:.1f}" if v.get(a) else "–" for a in cg_allocs) + f" | {rat} |")
 
     lines += ["", "| target | config | measured | pass |", "|---|---|---:|---|"]
     for name, c in result["configs"].items():
@@ -685,6 +757,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--only", metavar="PATTERN", help="config names, comma-separated, or regular expressions")
     ap.add_argument("--allocators", metavar="LIST", help="comma-separated (default: all available)")
     ap.add_argument("--no-strace", action="store_true", help="skip the OS call counts")
+    ap.add_argument("--no-callgrind", action="store_true",
+                    help="skip the instructions-per-operation column (callgrind) of the single-threaded rows")
     ap.add_argument("--json", action="store_true", help="print the result JSON on stdout instead of the table")
     ap.add_argument("--out", metavar="DIR", type=Path, default=ROOT / "bench" / "results", help="where latest.{json,md,png} go")
     ap.add_argument("--tel-reader", metavar="CMD", default=DEFAULT_TEL_READER,
@@ -726,6 +800,7 @@ def main(argv: list[str]) -> int:
     raw: dict[str, dict[str, list[dict]]] = {c.name: {x.name: [] for x in allocs} for c in configs}
     total, done = runs * len(configs) * len(allocs), 0
     started = time.monotonic()
+    bar = progress(total=total, desc="bench", unit="run") if progress else None
     for run in range(runs):
         for ci, cfg in enumerate(configs):
             argv_ = cfg.quick if a.quick else cfg.full
@@ -735,7 +810,21 @@ def main(argv: list[str]) -> int:
                 r = run_timed(cfg, argv_, alloc, timeout, a.tel_reader)
                 raw[cfg.name][alloc.name].append(r)
                 what = f"{fmt_rate(r['ops_per_sec'])} ops/s" if r["ok"] else "failed: " + r["error"]
-                log(f"[{done}/{total}] {cfg.name} {alloc.name} run {run + 1}/{runs}: {what}")
+                (bar.write if bar else log)(f"[{done}/{total}] {cfg.name} {alloc.name} run {run + 1}/{runs}: {what}")
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    # Rows whose runs spread wide get more, up to as many again (full sizes).
+    for extra in range(0 if a.quick else runs):
+        wide = [cfg for cfg in configs if spread_wide(raw[cfg.name], peers)]
+        if not wide:
+            break
+        log(f"[extra {extra + 1}/{runs}] spread over {SPREAD_WIDE:.0%}: one more run of " + ", ".join(c.name for c in wide))
+        for ci, cfg in enumerate(wide):
+            k = (runs + extra + ci) % len(allocs)
+            for alloc in allocs[k:] + allocs[:k]:
+                raw[cfg.name][alloc.name].append(run_timed(cfg, cfg.full, alloc, timeout, a.tel_reader))
 
     result: dict = {
         "machine": machine_info(),
@@ -750,6 +839,15 @@ def main(argv: list[str]) -> int:
         result["configs"][cfg.name] = {"binary": cfg.binary, "argv": cfg.quick if a.quick else cfg.full,
                                        "threads": cfg.threads, "results": res, "ratios": ratios(res, peers),
                                        "raw": raw[cfg.name]}
+
+    if not a.no_callgrind:
+        cg_cfgs = [c for c in configs if c.threads == 1 and c.name not in CG_SKIP]
+        counted = [x for x in allocs if not x.telemetry and x.name != "hakmem-base"]
+        for i, (cfg, alloc) in enumerate(((c, x) for c in cg_cfgs for x in counted), 1):
+            v = count_instructions(cfg, alloc, timeout * 20)
+            result["configs"][cfg.name].setdefault("instructions", {})[alloc.name] = v
+            log(f"[callgrind {i}/{len(cg_cfgs) * len(counted)}] {cfg.name} {alloc.name}: "
+                + (f"{v:.1f} instructions/op" if v else "failed"))
 
     if strace:
         counted = [x for x in allocs if not x.telemetry]  # telemetry adds no allocator OS calls worth a column

@@ -7,10 +7,17 @@
 #     base         the same as no argument
 #     postgresql   PostgreSQL 15 with pgbench (/usr/lib/postgresql/15/bin), for
 #                  learner/tests/test_postgres.py
+#     redis        redis-server and redis-benchmark (redis-tools), for
+#                  learner/tests/test_redis.py and `make demo`
+#     ops          systemd (systemd-analyze, systemd-tmpfiles), for
+#                  learner/tests/test_make_install.py (deploy/'s unit)
 set -euo pipefail
 
 base=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps protobuf-compiler
       protobuf-c-compiler libprotobuf-c-dev pkg-config)
+# hakmem-bpf (bpf/): clang for the BPF object, bpftool for vmlinux.h and the
+# skeleton, libbpf/libelf/zlib to load it, libzmq to send its samples to learnd.
+base+=(clang llvm libbpf-dev bpftool libelf-dev zlib1g-dev libzmq3-dev)
 
 pkgs=()
 [ $# -eq 0 ] && pkgs=("${base[@]}")
@@ -18,7 +25,9 @@ for group in "$@"; do
   case "$group" in
     base) pkgs+=("${base[@]}") ;;
     postgresql) pkgs+=(postgresql) ;;
-    *) echo "install-deps: unknown group '$group' (groups: base, postgresql)" >&2; exit 2 ;;
+    redis) pkgs+=(redis-server redis-tools) ;;
+    ops) pkgs+=(systemd) ;;
+    *) echo "install-deps: unknown group '$group' (groups: base, postgresql, redis, ops)" >&2; exit 2 ;;
   esac
 done
 

@@ -99,6 +99,10 @@ def build_targets(tests):
             targets.add(f"{{B}}/tests/{t[2:]}")
         else:
             targets.update({"{B}/learner/workload", "{B}/learner/counted"})
+            if "test_bpf" in t:     # hakmem-bpf and its counted program (issue 16)
+                targets.update({"bpf", "{B}/learner/kernel_ops"})
+            if "replay" in t:       # hakmem replay's tests run the replayer (issue 14)
+                targets.add("{B}/hakmem-replay")
     return sorted(targets)
 
 
@@ -187,7 +191,7 @@ def main():
             path.write_text(original.replace(m["original"], m["replacement"], 1))
             killed_by, detail = None, ""
             try:
-                if m["file"].startswith("allocator/"):
+                if m["file"].startswith(("allocator/", "bpf/", "replay/")):   # C: rebuilt (bpf/: hakmem-bpf, replay/: the replayer)
                     ok, out = make(tree, build, build_targets(m["tests"]))
                     if not ok:
                         rows.append((m, "does not build", None, time.monotonic() - t0))
@@ -210,6 +214,10 @@ def main():
         # Leave the copy's build matching its sources.
         if any(m["file"].startswith("allocator/") for m in mutants):
             make(tree, build, ["lib"])
+        if any(m["file"].startswith("bpf/") for m in mutants):
+            make(tree, build, ["bpf"])
+        if any(m["file"].startswith("replay/") for m in mutants):
+            make(tree, build, ["replay"])
     finally:
         if args.keep:
             print(f"mutate: kept {tree}")

@@ -37,9 +37,10 @@ import sys
 import time
 
 from . import __version__
+from . import layout as L
 from .config import Config, ConfigError, load
 from .learning import Context, Decision, Evaluation, Window, canonical, same
-from .objective import Prices, default_objective, time_cost
+from .objective import Prices, default_objective, window_time_cost
 from .discovery import Candidate, Directory
 from .lease import Lease, LeaseError
 from .procfs import proc_rss, proc_start_time, proc_stat, program_identity
@@ -131,6 +132,7 @@ class Proc:
     last_allocs: float = 0.0
     last_rss: float = 0.0
     threads: int = 0
+    kernel: tuple = ("proc", "", None)   # hakmem-bpf (kernel.py): source, why, rates of its last window
 
 
 @dataclasses.dataclass
@@ -179,6 +181,8 @@ class Daemon:
         self.next_lease_check = 0.0
         self.fatal: str | None = None        # why the loop stopped on its own
         self.turns = 0
+        self.metrics = None                  # metrics.Metrics with --metrics: fed each sample
+        self.kernel = None                   # kernel.KernelSource: hakmem-bpf, else /proc (main starts it)
         from .learners import LEARNERS   # here: learners import scikit-learn, which is slow to load
         self.learners = LEARNERS
         if cfg.learner not in LEARNERS:
@@ -268,6 +272,10 @@ class Daemon:
             self.log("error", self.fatal)
 
     def close(self):
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.kernel is not None:
+            self.kernel.stop()
         for prog in self.programs.values():
             self._flush_learner(prog)
         for p in list(self.procs.values()):
@@ -295,6 +303,8 @@ class Daemon:
         if pid:
             where += f"[{pid}]"
         self.log(level, f"{kind} {where}: {message}" if where else f"{kind}: {message}")
+        if self.metrics is not None:
+            self.metrics.event(kind, prog)
         if self.pub is None:
             return
         from . import control
@@ -608,7 +618,11 @@ class Daemon:
             cpu = max(st["utime"] + st["stime"] - p.prev_stat["utime"] - p.prev_stat["stime"], 0) / dt
         if st is not None:
             p.prev_stat = st
-        w = Window.between(p.prev_rec, rec, dt, t_start=t0, t_end=t1, minflt=minflt, rss_bytes=float(rss), cpu=cpu)
+        kern, ksrc, kwhy = (self.kernel.window(p.pid, p.start_time, dt) if self.kernel is not None
+                            else (None, "proc", "/proc/<pid>/stat: hakmem-bpf not started"))
+        p.kernel = (ksrc, kwhy, kern)
+        w = Window.between(p.prev_rec, rec, dt, t_start=t0, t_end=t1, minflt=minflt, rss_bytes=float(rss), cpu=cpu,
+                           kern=kern, kernel_source=ksrc)
         if rec is not None:
             p.prev_rec = rec
         return w
@@ -648,6 +662,8 @@ class Daemon:
                      for p, w in parts]
             win = self._priced(prog, Window.merge([w for _, w in parts], knobs=knobs))
             prog.last_window = win
+            if self.metrics is not None:
+                self.metrics.observe(prog, parts, win)
             for p, w in parts:
                 p.windows += 1
                 p.last_rss = w.rss_bytes
@@ -668,7 +684,7 @@ class Daemon:
 
     def _priced(self, prog, w: Window) -> Window:
         """w with its costs under the program's objective and learnd's prices."""
-        tc = time_cost(float(w.slow_ns.sum()), w.minflt, w.os_calls, self.prices)
+        tc = window_time_cost(w, self.prices)
         mc = prog.objective.mem_cost(w.rss_bytes)
         return w.replace(time_cost=tc, mem_cost=mc, cost=tc + mc)
 
@@ -699,6 +715,8 @@ class Daemon:
         prog = p.program
         prog.procs.pop(p.path, None)
         self.procs.pop(p.path, None)
+        if self.kernel is not None:
+            self.kernel.forget(p.pid, p.start_time)
         try:
             p.ring.close()
         except Exception:
@@ -726,6 +744,8 @@ class Daemon:
         """One turn: whatever is due, then wait for the next deadline or a request."""
         now = self.clock.monotonic()
         self.check_lease(now)
+        if self.kernel is not None:
+            self.kernel.poll(p.pid for p in self.procs.values())
         if now >= self.next_discover:
             self.discover(now)
             self.rss_tick()
@@ -735,6 +755,8 @@ class Daemon:
         if now >= self.next_sample:
             if self.turns:
                 self.sample(self.window_start, now)
+                if self.metrics is not None:
+                    self.metrics.publish(self)
             self.window_start = now
             self.next_sample = now + self.cfg.sample_period
             self.writes.flush()
@@ -788,6 +810,8 @@ def _live_backend(d: Daemon):
             st.programs = sum(1 for g in d.programs.values() if g.procs)
             st.processes = len(d.procs)
             st.warnings.extend(d.status_warnings())
+            if d.kernel is not None:
+                d.kernel.describe(st)
             return st
 
         def live_processes(self):
@@ -801,7 +825,9 @@ def _live_backend(d: Daemon):
                                       first_seen=p.first_seen, last_seen=d.clock.time(), alive=True,
                                       applied_version=applied,
                                       rss_bytes=int(p.last_rss), allocs_per_s=p.last_allocs, cost=p.last_cost,
-                                      windows=p.windows, threads=p.threads))
+                                      windows=p.windows, threads=p.threads,
+                                      kernel_source=p.kernel[0], kernel_why=p.kernel[1],
+                                      kernel=[p.kernel[2][n] for n in L.KERNEL_COUNTERS] if p.kernel[2] else []))
             return out
 
         def decorate_program(self, msg, row):
@@ -816,6 +842,12 @@ def _live_backend(d: Daemon):
             if g.target is not None:
                 msg.in_force.knobs.CopyFrom(control.knobs_to_pb(g.target))
                 msg.in_force.program = g.key
+            w = g.last_window
+            if w is not None:      # hakmem-bpf or /proc, and why (kernel.py)
+                msg.kernel_source = w.kernel_source
+                msg.kernel_why = "; ".join(sorted({p.kernel[1] for p in g.procs.values() if p.kernel[1]}))
+                if w.kernel_source == "bpf":
+                    msg.kernel.extend(w.kern[n] for n in L.KERNEL_COUNTERS)
             hot = getattr(getattr(g.learner, "space", None), "hot", None)
             if hot:
                 msg.hot_classes.extend(int(c) for c in hot)
@@ -862,12 +894,35 @@ def lock_database(path) -> int:
     return fd
 
 
+EPILOG = """\
+files (as root; see README "Running it in production"):
+  /etc/hakmem/learnd.toml     configuration (--config); flags win over it
+  /var/lib/hakmem/learn.db    SQLite: programs, processes, windows, policies, evaluations
+  /run/hakmem/                control.sock and events.sock (`hakmem status`, `hakmem events`)
+  /dev/shm/hakmem/            one telemetry file per process using hakmem (1777, sticky)
+
+signals:
+  SIGTERM, SIGINT             store what was measured, remove the sockets, exit 0
+
+exit status:
+  0 stopped by a signal; 1 an error, said in one line "hakmem-learnd: error: ..."
+
+examples:
+  hakmem-learnd --config /etc/hakmem/learnd.toml          as the systemd unit runs it
+  hakmem-learnd --foreground --metrics                    by hand, Prometheus on 127.0.0.1:9711
+  LD_PRELOAD=/usr/local/lib/libhakmem.so.0 redis-server   a service it will tune
+  hakmem policy show redis-server                         what it learned
+
+see also: hakmem --help, README.md (installed in /usr/local/share/doc/hakmem)"""
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="hakmem-learnd",
         description="Watches processes that use libhakmem and tunes each program's allocator policy "
                     "(thread-cache capacity, warm pool, drain interval) from measurements, remembering "
-                    "the best policy per program in SQLite.")
+                    "the best policy per program in SQLite.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (see deploy/learnd.toml)")
     p.add_argument("--db", help="SQLite database (default /var/lib/hakmem/learn.db as root, else "
                                 "~/.local/state/hakmem/learn.db; $HAKMEM_DB)")
@@ -886,6 +941,9 @@ def build_parser():
                    help="measure and apply stored policies, never try new ones")
     p.add_argument("--foreground", action="store_true", help="timestamped log lines on stderr "
                                                              "(default: journald-style lines)")
+    p.add_argument("--metrics", metavar="ADDR", nargs="?", const="",
+                   help="serve Prometheus metrics at http://ADDR/metrics: PORT, HOST:PORT or [V6]:PORT; "
+                        "alone: 127.0.0.1:9711 (see hakmem/metrics.py for what is exported)")
     p.add_argument("--once", action="store_true", help="run one turn and exit (for tests)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug lines too")
     p.add_argument("--version", action="version", version=f"hakmem-learnd {__version__}")
@@ -902,7 +960,7 @@ def main(argv=None):
     try:
         cfg = load(args.config, db=args.db, shm_dir=args.shm_dir, run_dir=args.run_dir,
                    sample_period=args.sample_period, objective=args.objective, learner=args.learner,
-                   explore=args.explore, pool_users=args.pool_users)
+                   explore=args.explore, pool_users=args.pool_users, metrics=args.metrics)
     except ConfigError as e:
         return fail(str(e))
     try:
@@ -922,6 +980,15 @@ def main(argv=None):
         d = Daemon(cfg, log, store, prices=Prices.calibrate())
         d.prepare_dirs()
         d.open_endpoints()
+        from .kernel import KernelSource      # hakmem-bpf when it may, else /proc (issue 16)
+        d.kernel = KernelSource(cfg.run_dir, log, d.zctx, d.clock).start()
+        if cfg.metrics is not None:
+            from .metrics import Metrics, MetricsError
+            try:
+                d.metrics = Metrics(cfg.metrics).start(d)
+            except MetricsError as e:
+                d.close()          # the control sockets just made, the lease
+                return fail(str(e))
     except (ConfigError, StoreError) as e:
         return fail(str(e))
     except Exception as e:
@@ -932,7 +999,8 @@ def main(argv=None):
     log("info", f"ready: watching {cfg.shm_dir}, database {cfg.db}, control {cfg.run_dir}/control.sock, "
                 f"learner {cfg.learner}, objective {cfg.objective.describe()}"
                 f"{'' if cfg.objective_explicit else ' (or the cgroup memory limit)'}, "
-                f"fault {d.prices.fault_s * 1e6:.2f} us, syscall {d.prices.syscall_s * 1e6:.2f} us")
+                f"fault {d.prices.fault_s * 1e6:.2f} us, syscall {d.prices.syscall_s * 1e6:.2f} us"
+                f"{f', metrics {d.metrics.url}' if d.metrics is not None else ''}")
     try:
         if args.once:
             d.turn(wait=False)

@@ -488,11 +488,25 @@ def _resolve(t: str, progs: list[dict]) -> list[dict]:
         ways.append(lambda p: (name in (p["exe"], os.path.basename(p["exe"]), f"{p['exe']}@{p['build_id']}")
                                and (p["users"] == users or p["users_names"] == who)))
     ways.append(lambda p: p["key"].startswith(t))
+    # A command the kernel knows by another name (ops, issue 17): Debian's
+    # redis-server is a link to redis-check-rdb, the executable learnd sees.
+    real = _command_path(t)
+    if real:
+        ways.append(lambda p: p["exe"] == real)
     for match in ways:
         hits = [p for p in progs if match(p)]
         if hits:
             return hits
     return []
+
+
+def _command_path(t: str) -> str | None:
+    """The executable a command name or path runs (links followed), or None."""
+    if not t or "#" in t or "@" in t:
+        return None
+    import shutil
+    found = shutil.which(t) if "/" not in t else (t if os.path.isfile(t) else None)
+    return os.path.realpath(found) if found else None
 
 
 def _unique_name(p: dict, progs: list[dict]) -> str:

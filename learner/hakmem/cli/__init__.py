@@ -138,6 +138,127 @@ def _add_learnd_commands(sub):
     ev.set_defaults(func=("learnd", "cmd_events"))
 
 
+# ---- trace (issue 14: offline replay) -----------------------------------------
+def _add_trace_commands(sub):
+    tr = sub.add_parser(
+        "trace", help="record a program's allocations to a trace file, and read one",
+        description="A trace is every malloc, calloc, realloc, free and aligned allocation a program "
+                    "made (or a sample of its objects), with sizes, addresses, threads and times: "
+                    "written by libhakmem itself (HAKMEM_TRACE=PATH from the start, HAKMEM_TRACE_SAMPLE "
+                    "for a sampled capture, or `hakmem trace record PID` for a live process), read by "
+                    "`hakmem trace info`, and replayed under any policy by `hakmem replay`. The format "
+                    "is proto/trace.proto.")
+    ts = tr.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    ts.required = True
+
+    inf = ts.add_parser(
+        "info", help="what a trace holds: operations, threads, bytes, size classes, lifetimes, live bytes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Reads a trace file and shows:\n"
+                    "  - how it was captured (program, pid, mode: full, sampled with its mean bytes\n"
+                    "    between picks, or live with its bounds) and how it ended (the footer's end\n"
+                    "    reason and dropped events, or where the file was cut short);\n"
+                    "  - operations per kind, threads, duration, bytes allocated;\n"
+                    "  - a size-class histogram by the size asked for, with the class table the\n"
+                    "    writer used (a size's class is the first class at least that big; class 0,\n"
+                    "    huge, is above the largest), and per class the lifetimes of the objects\n"
+                    "    freed in the trace (median and 90th percentile, in milliseconds and in\n"
+                    "    operations of the whole program between allocation and free);\n"
+                    "  - live bytes over time (a sparkline; --png draws it).\n"
+                    "Addresses are renamed into objects by time: a free ends the latest allocation\n"
+                    "of its address; frees of blocks allocated before the capture began (or not\n"
+                    "sampled) are counted and left out.\n\n"
+                    "A truncated or corrupt file is an error naming the byte offset of the bad\n"
+                    "chunk; so is a file written by another layout version, and one without its\n"
+                    "footer (the writer died). --partial reads the valid chunks before the problem.\n"
+                    "Exit status: 0, or 1 on any error (one line on stderr).")
+    inf.add_argument("file", metavar="FILE", help="the trace file (a regular file; symbolic links are refused)")
+    inf.add_argument("--json", action="store_true",
+                     help="print everything as one JSON document (live bytes as [time_ns, bytes] points)")
+    inf.add_argument("--png", metavar="OUT.png",
+                     help="also draw live bytes over time and the size-class histogram into this PNG file")
+    inf.add_argument("--partial", action="store_true",
+                     help="read a cut-short or damaged trace up to its first bad chunk instead of failing; "
+                          "says where it stopped and why")
+    inf.set_defaults(func=("trace", "cmd_trace_info"))
+
+    rec = ts.add_parser(
+        "record", help="capture a live process's allocations for a bounded time or size, without restarting it",
+        description="Asks the allocator of process PID (which runs with libhakmem preloaded) to write "
+                    "a trace of every allocation from now on, until --seconds have passed or the trace "
+                    "reaches --max-bytes, whichever comes first. The request travels through the "
+                    "process's telemetry file (only its owner or root may write it; when no "
+                    "hakmem-learnd holds the directory's lease, this command holds it meanwhile), and "
+                    "the allocator sees it at its next telemetry tick. The process writes the trace "
+                    "itself, in the telemetry directory under a name of its own; when its footer is "
+                    "written the trace is copied to --output and the original removed. Reports the "
+                    "file, its events and how the capture ended.")
+    rec.add_argument("pid", type=int, metavar="PID", help="the process to record")
+    rec.add_argument("--seconds", type=float, default=10.0, metavar="S",
+                     help="stop the capture after this many seconds (whole seconds, rounded up; default 10)")
+    rec.add_argument("--max-bytes", type=int, default=64 << 20, metavar="N",
+                     help="stop the capture once the trace file has this many bytes (4096 to 1 GiB; "
+                          "default 64 MiB)")
+    rec.add_argument("-o", "--output", required=True, metavar="FILE",
+                     help="where to copy the finished trace (an existing file is never overwritten)")
+    rec.add_argument("--shm-dir", metavar="DIR",
+                     help="telemetry directory (default $HAKMEM_SHM_DIR or /dev/shm/hakmem)")
+    rec.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    rec.set_defaults(func=("trace_record", "cmd_trace_record"))
+# ---- end trace ----------------------------------------------------------------
+
+
+# ---- replay (issue 14: offline replay; cli/replay.py) -------------------------
+def _add_replay_commands(sub):
+    rp = sub.add_parser(
+        "replay", help="replay a trace under a policy or a sweep of policies; a program's history through a learner",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="hakmem replay TRACE [--policy FILE|PROGRAM@VERSION|default]\n"
+                    "    replays a trace (`hakmem trace info` describes one) through build/hakmem-replay,\n"
+                    "    the real allocator under that policy: time, peak RSS, OS calls, faults, and the\n"
+                    "    cost the live objective gives them (per second of the traced program).\n"
+                    "hakmem replay TRACE --sweep [grid|learner]\n"
+                    "    grid: the default; each hot class's tcache_cap (the <= 2 classes with >= 5% of\n"
+                    "    the allocations) at 1/4, 1, 2, 4 and 16 times its default, every combination; and\n"
+                    "    drain_ms at 10, 100, 10000. learner: the GP learner's own search, each replay's\n"
+                    "    runs its windows (--budget policies). Replays run --jobs at a time; each result\n"
+                    "    is stored in the database (table replay_runs) as it completes, keyed by the\n"
+                    "    trace's content and the policy, so a rerun after Ctrl-C skips what is stored.\n"
+                    "    --png draws time cost against peak RSS with the Pareto front; --promote makes\n"
+                    "    a result the best policy of the trace's program (origin replay), which\n"
+                    "    hakmem-learnd applies when the program next starts.\n"
+                    "hakmem replay --learner NAME PROGRAM\n"
+                    "    feeds the program's stored windows through learner NAME (gp, missdriven,\n"
+                    "    static) and shows what it would have decided, beside what was live.\n\n"
+                    "Exit status: 0; 1 on any error (one line); 2 on bad usage; 130 interrupted.")
+    rp.add_argument("target", nargs="?", metavar="TRACE|PROGRAM",
+                    help="the trace file; with --learner, the program (as `hakmem policy show` names one)")
+    rp.add_argument("--policy", metavar="FILE|PROGRAM@VERSION|default",
+                    help="a JSON knobs file ({\"drain_ms\": N, \"tcache_cap\": N or [per class], ...}), a "
+                         "`hakmem policy export` file, a stored policy (python3@3), or default (the default)")
+    rp.add_argument("--repeat", type=int, default=3, metavar="N", help="runs per policy, for the spread (default 3)")
+    rp.add_argument("--partial", action="store_true", help="replay the valid chunks of a cut-short trace")
+    rp.add_argument("--sweep", nargs="?", const="grid", choices=("grid", "learner"),
+                    help="replay many policies: the grid (default) or the learner's search")
+    rp.add_argument("--sweep-learner", default="gp", metavar="NAME", help="the learner of --sweep learner (gp)")
+    rp.add_argument("--jobs", type=int, metavar="N", help="replays at a time (default: the cores)")
+    rp.add_argument("--budget", type=int, metavar="K", help="at most K policies (grid: its first K; learner: 12)")
+    rp.add_argument("--png", metavar="OUT.png", help="draw the sweep's time/memory Pareto chart")
+    rp.add_argument("--promote", nargs="?", const="best", metavar="N|best",
+                    help="make a result the trace's program's best policy (origin replay): the sweep's best "
+                         "(default) or its row N; without --sweep, the policy replayed")
+    rp.add_argument("--users", metavar="UIDS|NAMES",
+                    help="--promote: whose program (default: the owner of the trace file)")
+    rp.add_argument("--objective", metavar="lambda=N|budget=SIZE", help="the cost's memory term (default lambda=0.125)")
+    rp.add_argument("--learner", metavar="NAME", help="replay PROGRAM's stored windows through this learner")
+    rp.add_argument("--seed", type=int, default=0, help="the learner's seed (default 0)")
+    rp.add_argument("--db", metavar="PATH", help="the database (default $HAKMEM_DB, else learnd's)")
+    rp.add_argument("--replayer", metavar="PATH", help="the hakmem-replay binary (default $HAKMEM_REPLAY, build/)")
+    rp.add_argument("--json", action="store_true", help="print the outcome as one JSON document")
+    rp.set_defaults(func=("replay", "cmd_replay"))
+# ---- end replay ---------------------------------------------------------------
+
+
 def build_parser():
     p = _Parser(prog="hakmem", description="hakmem: inspect and steer programs that use libhakmem.")
     p.add_argument("--version", action="version", version=f"hakmem {__version__}")
@@ -154,6 +275,8 @@ def build_parser():
     d.add_argument("--window", type=float, default=1.0, help="seconds of history for rates (default 1)")
     d.add_argument("--all", action="store_true", help="every class, not only those in use")
     d.add_argument("--json", action="store_true", help="print the figures as JSON")
+    d.add_argument("--run-dir", metavar="DIR", help="hakmem-learnd's run directory, asked for the process's "
+                   "kernel-side figures (hakmem-bpf) when it runs (default as for `hakmem status`)")
     d.set_defaults(func=("ring", "cmd_dump"))
 
     s = rs.add_parser("set-policy", help="publish a policy snapshot (starting from the one in force)",
@@ -188,6 +311,8 @@ def build_parser():
     h.set_defaults(func=("ring", "cmd_hold"))
 
     _add_learnd_commands(sub)
+    _add_trace_commands(sub)
+    _add_replay_commands(sub)
     return p
 
 

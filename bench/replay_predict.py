@@ -19,7 +19,7 @@ objective is the bench-learn one, cores plus a price of memory:
           wall second; a real program: its CPU seconds / the default's wall
           seconds)
   replay  J = CPU seconds of the replay / the trace's duration + lambda *
-          (the replay's peak RSS - its RSS before the first event) / GiB
+          the replay's peak RSS above its RSS before the first event (hakmem-replay reports it so) / GiB
           (the median of the repeats)
 
 with lambda = bench/learn.py's LAMBDA. Workloads: the three of `make
@@ -251,7 +251,7 @@ def replay(trace: Path, env_knobs: dict, class_size: list, repeat: int, work: Pa
 def replay_cost(res: dict, duration_s: float) -> tuple[float, list[float]]:
     # Memory: the peak over what the replay had resident before its first
     # event (its own tables: the trace, the object map), which no policy changes.
-    costs = [run["cpu_s"] / duration_s + LAMBDA * max(0, run["peak_rss_bytes"] - run.get("base_rss_bytes", 0)) / GIB
+    costs = [run["cpu_s"] / duration_s + LAMBDA * run["peak_rss_bytes"] / GIB
              for run in res["runs"]]
     return statistics.median(costs), costs
 

@@ -628,7 +628,10 @@ static int run_once(int out_fd) {
   if (atomic_load(&stuck))
     die(1, "%s: replay stuck: a thread waited over a minute for an object another thread never made "
         "(events out of time order?)", trace_path);
-  r.peak_rss = status_kb("VmHWM:") * 1024;
+  /* The replayed program's peak: above what loading the trace took (its
+   * tables live in the same process and are the same for every policy). */
+  uint64_t hwm = status_kb("VmHWM:") * 1024;
+  r.peak_rss = hwm > r.base_rss ? hwm - r.base_rss : 0;
   r.wall_s = (double)(t1 - t0) * 1e-9;
   r.idle_s = (double)atomic_load(&idle_ns) * 1e-9;
   r.cpu_s = cpu_seconds(&u1) - cpu_seconds(&u0);

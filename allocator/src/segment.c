@@ -236,7 +236,7 @@ void _hk_slab_release(hk_slab_t* slab) {
 enum { DECAY_OLD, DECAY_ALL };
 
 static bool give_back_dirty(int pick) {
-  struct { hk_segment_t* s; uint64_t mask; } todo[DECAY_BATCH];
+  struct { hk_segment_t* s; uint64_t mask; } out[DECAY_BATCH];
   unsigned n = 0;
   _hk_lock(&seg_lock);
   /* Cached (wholly free) segments first: they leave the cache while their
@@ -249,8 +249,8 @@ static bool give_back_dirty(int pick) {
     seg_cache[i] = seg_cache[--seg_cache_count];
     s->dirty_pages &= ~m;
     s->free_pages &= ~m;
-    todo[n].s = s;
-    todo[n++].mask = m;
+    out[n].s = s;
+    out[n++].mask = m;
   }
   for (hk_segment_t* s = seg_list; s && n < DECAY_BATCH; s = s->next) {
     uint64_t m = pick == DECAY_OLD ? s->dirty_pages & s->dirty_old : s->dirty_pages;
@@ -258,28 +258,28 @@ static bool give_back_dirty(int pick) {
     if (!m) continue;
     s->dirty_pages &= ~m;
     s->free_pages &= ~m;
-    todo[n].s = s;
-    todo[n++].mask = m;
+    out[n].s = s;
+    out[n++].mask = m;
   }
   _hk_unlock(&seg_lock);
   for (unsigned i = 0; i < n; i++) {
-    uint64_t m = todo[i].mask;
+    uint64_t m = out[i].mask;
     while (m) {   /* one call per run of consecutive pages */
       unsigned first = (unsigned)__builtin_ctzll(m);
       unsigned len = (unsigned)__builtin_ctzll(~(m >> first));
       if (first + len > 64) len = 64 - first;
-      _hk_os_decommit((uint8_t*)todo[i].s + ((uintptr_t)first << HK_PAGE_SHIFT),
+      _hk_os_decommit((uint8_t*)out[i].s + ((uintptr_t)first << HK_PAGE_SHIFT),
                       (size_t)len << HK_PAGE_SHIFT);
       m &= len == 64 ? 0 : ~((((uint64_t)1 << len) - 1) << first);
     }
   }
   _hk_lock(&seg_lock);
   for (unsigned i = 0; i < n; i++) {
-    hk_segment_t* s = todo[i].s;
-    unsigned pages = (unsigned)__builtin_popcountll(todo[i].mask);
+    hk_segment_t* s = out[i].s;
+    unsigned pages = (unsigned)__builtin_popcountll(out[i].mask);
     hk_sub_relaxed(&dirty_total, pages);
     hk_sub_relaxed(&_hk_proc.committed_bytes, (uint64_t)pages << HK_PAGE_SHIFT);
-    s->free_pages |= todo[i].mask;
+    s->free_pages |= out[i].mask;
     if (s->free_pages == ALL_SLAB_PAGES) {
       if (s->in_list) list_remove(s);
       segment_free(s);

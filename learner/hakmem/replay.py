@@ -432,7 +432,7 @@ class Sweep:
     def many(self, policies: list[dict]) -> list[Result]:
         """Every policy's result; Ctrl-C ends the replays under way and
         raises KeyboardInterrupt with what completed stored."""
-        todo = []
+        pending = []
         for k in policies:
             h = knobs_hash(k)
             if h in self.results:
@@ -440,12 +440,12 @@ class Sweep:
             if h in self.known and self.known[h].repeat >= self.repeat:
                 self.results[h] = self.known[h]
                 self.on_result(self.known[h])
-            elif h not in {knobs_hash(t) for t in todo}:
-                todo.append(k)
-        if todo:
+            elif h not in {knobs_hash(t) for t in pending}:
+                pending.append(k)
+        if pending:
             ex = cf.ThreadPoolExecutor(max_workers=self.jobs)
             try:
-                futs = {ex.submit(self._replay, k): k for k in todo}
+                futs = {ex.submit(self._replay, k): k for k in pending}
                 for f in cf.as_completed(futs):
                     r = f.result()
                     self._save(r)

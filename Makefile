@@ -29,7 +29,11 @@ RELEASE_CFLAGS := -O2 -g -DNDEBUG
 # recorded in a stamp so objects rebuild when the answer changes.
 DEBUG_CFLAGS    = -O1 -g -DHK_DEBUG=1 -fno-omit-frame-pointer \
   $(if $(wildcard /usr/include/valgrind/memcheck.h),-DHK_VALGRIND=1)
-LDLIBS_ALLOC   := -pthread -lprotobuf-c
+# The shared library takes protobuf-c from its archive, its symbols hidden
+# (--exclude-libs): every preloaded process would otherwise load and
+# relocate one more library at start (4-5 page faults of the ~85 a small
+# process takes), and a program's own protobuf-c could be a different one.
+LDLIBS_SO      := -pthread -Wl,--exclude-libs,ALL -l:libprotobuf-c.a
 
 REL_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/obj/%.o)
 DBG_OBJS := $(SRCS:$(SRC_DIR)/%.c=$(BUILD)/debug/obj/%.o)
@@ -121,11 +125,11 @@ $(BUILD)/debug/obj/%.o: $(SRC_DIR)/%.c $(HDRS) Makefile $(BUILD)/debug/cflags.st
 
 $(BUILD)/libhakmem.so: $(REL_OBJS)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,$(HK_SONAME) -o $@ $^ $(LDLIBS_ALLOC)
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,$(HK_SONAME) -o $@ $^ $(LDLIBS_SO)
 
 $(BUILD)/debug/libhakmem.so: $(DBG_OBJS)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,$(HK_SONAME) -o $@ $^ $(LDLIBS_ALLOC)
+	$(Q)$(CC) -shared -Wl,-z,now -Wl,-Bsymbolic-functions -Wl,-soname,$(HK_SONAME) -o $@ $^ $(LDLIBS_SO)
 
 $(BUILD)/libhakmem.a: $(REL_OBJS)
 	@$(if $(Q),echo "  AR      $@")

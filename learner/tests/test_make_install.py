@@ -153,3 +153,19 @@ def test_uninstall_leaves_only_the_admins_configuration(dest):
     run(["make", f"BUILD={BUILD}", "uninstall", f"DESTDIR={dest}", f"PREFIX={PREFIX}"])
     files = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if not p.is_dir())
     assert files == ["etc/hakmem/learnd.toml"], files
+
+
+def test_library_needs_only_libc_and_exports_only_its_api():
+    """protobuf-c is linked in from its archive with its symbols hidden: a
+    preloaded process loads one library more, not two, and a program with
+    its own protobuf-c keeps it."""
+    lib = BUILD / "libhakmem.so"
+    dyn = subprocess.run(["readelf", "-dW", str(lib)], capture_output=True, text=True, check=True).stdout
+    needed = sorted(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn))
+    assert needed == ["libc.so.6"], needed
+    syms = subprocess.run(["readelf", "--dyn-syms", "-W", str(lib)], capture_output=True, text=True,
+                          check=True).stdout
+    defined = [ln.split()[-1].split("@")[0] for ln in syms.splitlines()
+               if re.search(r"\b(FUNC|OBJECT)\s+(GLOBAL|WEAK)\s+DEFAULT\s+\d+\s", ln)]
+    assert defined and not [s for s in defined if "protobuf" in s], defined
+    assert {"malloc", "free", "hk_stats_get"} <= set(defined)

@@ -93,7 +93,7 @@ __attribute__((constructor(101))) static void hk_constructor(void) {
 __attribute__((destructor(101))) static void hk_destructor(void) {
   static hk_stats_t st HK_SPARSE_BSS;
   _hk_trace_exit();   /* the footer, before the table that counts it */
-  if (!_hk_stats_at_exit() && !_hk_tel_on) return;
+  if (!_hk_stats_at_exit() && (!_hk_tel_on || _hk_tel_exit_unmapped())) return;
   hk_stats_get(&st);
   _hk_tel_exit(&st);
   if (_hk_stats_at_exit()) _hk_stats_print_snapshot(stats_fd >= 0 ? stats_fd : 2, &st);

@@ -224,6 +224,7 @@ extern bool _hk_tel_on;
 void _hk_tel_start(void);
 void _hk_tel_tick(uint64_t now_coarse_ns);
 void _hk_tel_exit(const hk_stats_t* st);
+bool _hk_tel_exit_unmapped(void);
 void _hk_tel_after_fork_child(void);
 /* The stats table's line: "telemetry: on, PATH" or "telemetry: off: why". */
 size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures);

@@ -43,8 +43,11 @@ from hakmem.ring import Ring, RingError
 REDIS = "/usr/bin/redis-server"
 BENCH = "/usr/bin/redis-benchmark"
 # What learnd calls it: the executable the kernel runs (Debian's redis-server
-# is a link to redis-check-rdb, one binary that acts on its argv[0]).
-PROGRAM = os.path.basename(os.path.realpath(REDIS))
+# is a link to redis-check-rdb, one binary that acts on its argv[0]). Set by
+# the redis_user fixture once redis is installed: resolved at import, on a
+# machine where the fixture installs it, the link did not exist yet and the
+# name stayed redis-server.
+PROGRAM = None
 PERIOD = 0.5
 
 
@@ -159,6 +162,8 @@ def redis_user():
                        timeout=scaled(900))
     assert r.returncode == 0, f"tools/install-deps.sh redis failed ({r.returncode}):\n{r.stdout}{r.stderr}"
     assert os.path.exists(REDIS) and os.path.exists(BENCH), "redis-server/redis-benchmark missing after install"
+    global PROGRAM
+    PROGRAM = os.path.basename(os.path.realpath(REDIS))
     try:
         pw = pwd.getpwnam("redis")
     except KeyError:

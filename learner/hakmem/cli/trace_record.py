@@ -18,11 +18,10 @@ import errno
 import json
 import math
 import os
-import stat
 import sys
 import time
 
-from .. import layout as L
+from ..capture import CaptureError as RecordError, _open_trace, _u32, _u64, check_trace, request
 from ..lease import Lease, LeaseError, LeaseHeld
 from ..ring import Ring, RingError, proc_start_time, resolve, shm_dir
 
@@ -31,11 +30,6 @@ MIN_BYTES, MAX_BYTES = 4096, 1 << 30
 FILE_WAIT_S = 40.0     # the process's retries of its telemetry file reach 16 s apart
 ACK_WAIT_S = 10.0      # a process that allocates ticks every telemetry epoch (100 ms)
 GRACE_S = 10.0         # after --seconds: the bound is checked at the next allocation or tick
-STATE = {0: "none", 1: "recording", 2: "done", 3: "refused"}
-
-
-class RecordError(Exception):
-    """One line for `hakmem: error:`."""
 
 
 ERRORS = (RecordError, RingError)
@@ -50,74 +44,6 @@ def _progress(msg, end="\r"):
 
 def _alive(pid, start):
     return proc_start_time(pid) == start
-
-
-def _u32(ring, struct, field):
-    base = 0 if struct == "header" else ring.policy_offset
-    return int.from_bytes(ring.read(base + L.offset_of(struct, field), 4), "little")
-
-
-def _u64(ring, struct, field):
-    base = 0 if struct == "header" else ring.policy_offset
-    return int.from_bytes(ring.read(base + L.offset_of(struct, field), 8), "little")
-
-
-def request(ring, seconds, max_bytes):
-    """Writes a capture request into ring's policy area; returns its number.
-    The bounds first, the number last: the allocator reads the number with
-    acquire and the bounds after it."""
-    po = ring.policy_offset
-    seen = _u64(ring, "header", "trace_seen")
-    req = max(seen, _u64(ring, "policy_area", "trace_request")) + 1
-    ring.write(po + L.offset_of("policy_area", "trace_max_bytes"), int(max_bytes).to_bytes(8, "little"))
-    ring.write(po + L.offset_of("policy_area", "trace_seconds"), int(seconds).to_bytes(4, "little"))
-    ring.write(po + L.offset_of("policy_area", "trace_request"), req.to_bytes(8, "little"))
-    return req
-
-
-def _varint(b, i):
-    n = shift = 0
-    while True:
-        if i >= len(b):
-            raise RecordError("truncated varint")
-        c = b[i]
-        i += 1
-        n |= (c & 0x7F) << shift
-        shift += 7
-        if c < 0x80:
-            return n, i
-
-
-def check_trace(data):
-    """The footer of a complete trace (dict), or raises RecordError naming the
-    byte offset where it is cut or damaged."""
-    from .._pb import trace_pb2
-    if data[:8] != b"HKTRACE1":
-        raise RecordError("not a hakmem trace (bad magic)")
-    i, last, seq = 8, None, 0
-    while i < len(data):
-        at = i
-        try:
-            n, i = _varint(data, i)
-        except RecordError:
-            raise RecordError(f"trace cut short at byte {at}") from None
-        if i + n > len(data):
-            raise RecordError(f"trace cut short at byte {at} (a {n}-byte chunk, {len(data) - i} left)")
-        c = trace_pb2.TraceChunk()
-        try:
-            c.ParseFromString(data[i:i + n])
-        except Exception:
-            raise RecordError(f"damaged chunk at byte {at}") from None
-        if c.seq != seq:
-            raise RecordError(f"chunk {seq} at byte {at} says it is chunk {c.seq}")
-        seq += 1
-        i += n
-        last = c
-    if last is None or not last.HasField("footer"):
-        raise RecordError(f"trace has no footer: cut short at byte {len(data)}")
-    f = last.footer
-    return {"events": f.events, "dropped": f.dropped, "chunks": f.chunks, "threads": f.threads,
-            "duration_s": f.duration_ns / 1e9, "end_reason": f.end_reason}
 
 
 def _find_ring(pid, d, deadline):
@@ -140,23 +66,6 @@ def _find_ring(pid, d, deadline):
             raise RecordError(f"{last} (is it running with libhakmem preloaded, HAKMEM_SHM_DIR={d}?)")
         _progress(f"waiting for process {pid}'s telemetry file in {d}")
         time.sleep(0.1)
-
-
-def _open_trace(d, name, uid):
-    """Opens the process's trace file: a regular file of its owner with one
-    name, not followed if it is a link."""
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    except OSError as e:
-        os.close(dfd)
-        raise RecordError(f"{d}/{name}: {e.strerror}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
-        os.close(fd)
-        os.close(dfd)
-        raise RecordError(f"{d}/{name}: not a trace file of the recorded process's user")
-    return dfd, fd, st
 
 
 def cmd_trace_record(args):

@@ -125,6 +125,8 @@ class Config:
     max_windows: int = 500_000
     pool_users: tuple = ()              # uids, sorted: their processes share one program
     metrics: str | None = None          # Prometheus endpoint, HOST:PORT ("": 127.0.0.1:9711); None: off
+    screen: bool = True                 # rank a cold program's candidates by replaying a trace of it (screen.py)
+    screen_jobs: int = 4                # replays at once while screening (most sleep through the trace's idle gaps)
 
     def for_program(self, exe: str) -> ProgramConfig:
         return self.programs.get(exe) or self.programs.get(os.path.basename(exe)) or ProgramConfig()
@@ -138,7 +140,7 @@ class Config:
 
 _KEYS = {"db": str, "shm_dir": str, "run_dir": str, "sample_period": float, "discover_period": float,
          "objective": str, "learner": str, "explore": bool, "retain_every": float, "raw_hours": float,
-         "keep_days": float, "max_windows": int, "metrics": str}
+         "keep_days": float, "max_windows": int, "metrics": str, "screen": bool, "screen_jobs": int}
 
 
 def _objective(text, where):
@@ -199,6 +201,8 @@ def load(path: str | None = None, **flags) -> Config:
     for k in ("sample_period", "discover_period"):
         if k in values and not 0.01 <= values[k] <= 3600:
             raise ConfigError(f"{k} must be between 0.01 and 3600 seconds, got {values[k]}")
+    if "screen_jobs" in values and not 1 <= values["screen_jobs"] <= 64:
+        raise ConfigError(f"{path}: screen_jobs must be between 1 and 64, got {values['screen_jobs']}")
     if values.get("metrics") is not None:
         from .metrics import MetricsError, parse_addr
         try:

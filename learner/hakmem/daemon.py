@@ -155,6 +155,7 @@ class Program:
     first_seen: float = 0.0
     last_seen: float = 0.0
     last_window: Window | None = None
+    screen: object = None            # screen.Screen while a screening is under way
 
     @property
     def class_size(self):
@@ -183,6 +184,7 @@ class Daemon:
         self.turns = 0
         self.metrics = None                  # metrics.Metrics with --metrics: fed each sample
         self.kernel = None                   # kernel.KernelSource: hakmem-bpf, else /proc (main starts it)
+        self.screen_off: str | None = None   # why screening cannot run here (no replayer), said once
         from .learners import LEARNERS   # here: learners import scikit-learn, which is slow to load
         self.learners = LEARNERS
         if cfg.learner not in LEARNERS:
@@ -278,6 +280,9 @@ class Daemon:
             self.kernel.stop()
         for prog in self.programs.values():
             self._flush_learner(prog)
+            if prog.screen is not None:
+                prog.screen.close()
+                prog.screen = None
         for p in list(self.procs.values()):
             p.ring.close()
         self.procs.clear()
@@ -527,6 +532,41 @@ class Daemon:
         elif prog.target is None:
             prog.target = prog.default
             prog.target_origin = "default"
+        if chosen is None and explore and self.cfg.screen and hasattr(prog.learner, "screened"):
+            self._start_screen(prog)
+
+    # ---- screening (screen.py) ----------------------------------------------------
+    def _start_screen(self, prog: Program):
+        """A cold program's candidates ranked on a trace of it before any trial."""
+        from .replay import ReplayError, find_replayer
+        from .screen import Screen
+        try:
+            exe = find_replayer()
+        except ReplayError as e:
+            if not self.screen_off:
+                self.screen_off = str(e)
+                self.log("warning", f"screening off, learners search without replay: {e}")
+            return
+        prog.screen = Screen(prog.ctx, self.cfg.shm_dir, prog.objective, self.prices, replayer=exe,
+                             jobs=self.cfg.screen_jobs, clock=self.clock)
+        prog.learner.screening()
+
+    def _step_screen(self, prog: Program, now_mono):
+        scr = prog.screen
+        ranked = scr.step(list(prog.procs.values()), now_mono)
+        if ranked is None:
+            return
+        prog.screen = None
+        if not ranked:
+            self.event("screen_failed", f"{scr.why}; searching without replay", prog, level="warning")
+            prog.learner.screened([], scr.why)
+            return
+        took = now_mono - scr.t_started if scr.t_started is not None else 0.0
+        self.event("screened", f"{scr.describe(ranked)}; {took:.1f} s", prog)
+        from . import replay as R
+        for _, res in scr.results:
+            self.writes.add(lambda s, r=res, f=scr.facts, o=prog.objective: R.save(s, f, o, r, prog.program_id))
+        prog.learner.screened(ranked)
 
     # ---- applying policies ------------------------------------------------------
     def _write(self, p: Proc, knobs) -> bool:
@@ -657,6 +697,9 @@ class Daemon:
                 same(p.written_knobs, prog.target)
                 and ((p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w.active)
                 for p, w in parts)
+            # A window a capture ran in (screening) is evidence for no policy.
+            if in_force and prog.screen is not None and prog.screen.tracing_during(t0_mono, t1_mono):
+                in_force = False
             knobs = prog.target if in_force else None
             parts = [(p, self._priced(prog, w.replace(t_start=t0_wall, t_end=t1_wall, knobs=knobs)))
                      for p, w in parts]
@@ -681,6 +724,8 @@ class Daemon:
                 self._decide(prog, dec)
             for ev in prog.learner.pending():
                 self._store_evaluation(prog, ev)
+            if prog.screen is not None:
+                self._step_screen(prog, t1_mono)
 
     def _priced(self, prog, w: Window) -> Window:
         """w with its costs under the program's objective and learnd's prices."""
@@ -731,6 +776,9 @@ class Daemon:
         self.event("process_exited", f"{why} after {now - p.first_seen:.1f} s, {p.windows} windows", prog, p.pid)
         if not prog.procs:
             self._flush_learner(prog)
+            if prog.screen is not None:
+                prog.screen.close()
+                prog.screen = None
 
     def rss_tick(self):
         for p in self.procs.values():
@@ -939,6 +987,9 @@ def build_parser():
                         "user's processes are a program of their own, so no user can steer another's policy)")
     p.add_argument("--no-explore", dest="explore", action="store_false", default=None,
                    help="measure and apply stored policies, never try new ones")
+    p.add_argument("--no-screen", dest="screen", action="store_false", default=None,
+                   help="never capture and replay a trace of a new program to rank candidates before "
+                        "trying them (screening; on by default where build/hakmem-replay is found)")
     p.add_argument("--foreground", action="store_true", help="timestamped log lines on stderr "
                                                              "(default: journald-style lines)")
     p.add_argument("--metrics", metavar="ADDR", nargs="?", const="",
@@ -960,7 +1011,8 @@ def main(argv=None):
     try:
         cfg = load(args.config, db=args.db, shm_dir=args.shm_dir, run_dir=args.run_dir,
                    sample_period=args.sample_period, objective=args.objective, learner=args.learner,
-                   explore=args.explore, pool_users=args.pool_users, metrics=args.metrics)
+                   explore=args.explore, pool_users=args.pool_users, metrics=args.metrics,
+                   screen=args.screen)
     except ConfigError as e:
         return fail(str(e))
     try:

@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import pathlib
+import pwd
 import shutil
 import signal
 import subprocess
@@ -99,15 +100,26 @@ class _Running:
 _RUNNING = _Running()
 
 
-def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replayer=None, timeout=None) -> dict:
+def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replayer=None, timeout=None,
+                 user: int | None = None) -> dict:
     """One replay: the replayer's --json output as a dict. policy: the knobs
-    to set (a partial dict; None or {} = the allocator's default)."""
+    to set (a partial dict; None or {} = the allocator's default). user: a
+    uid to run the replayer as (root only; the trace must be readable by it)."""
     exe = replayer or find_replayer()
     tmp = None
     argv = [exe]
+    creds = {}
+    if user is not None:
+        try:
+            gid = pwd.getpwuid(user).pw_gid
+        except KeyError:
+            gid = user
+        creds = {"user": user, "group": gid, "extra_groups": []}
     try:
         if policy:
             fd, tmp = tempfile.mkstemp(prefix="hakmem-replay-policy-", suffix=".json")
+            if user is not None:
+                os.fchown(fd, user, -1)
             with os.fdopen(fd, "w") as f:
                 json.dump(policy, f)
             argv += ["--policy", tmp]
@@ -119,7 +131,7 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
             if _RUNNING.stopping:
                 raise KeyboardInterrupt
             p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True)
+                                 start_new_session=True, **creds)
             _RUNNING.procs.add(p)
         try:
             out, err = p.communicate(timeout=timeout)

@@ -93,7 +93,9 @@ def test_an_objective_flag_alone_is_explicit():
     ("objective = 'budget=lots'", "objective 'budget=lots': 'lots' is not a size (examples: 4096, 512MiB, 2GiB)"),
     ("sampel_period = 1", "unknown key 'sampel_period' (known: db, discover_period, explore, keep_days, learner, "
                           "max_windows, metrics, objective, raw_hours, retain_every, run_dir, sample_period, "
-                          "shm_dir, pool_users, programs)"),
+                          "screen, screen_jobs, shm_dir, pool_users, programs)"),
+    ("screen_jobs = 0", "screen_jobs must be between 1 and 64, got 0"),
+    ("screen = 1", "screen must be a bool, got 1"),
     ("metrics = 'somewhere:80'", "metrics address 'somewhere:80': 'somewhere' is not an IP address"),
     ("pool_users = 'root'", "pool_users must be a list of user names or uids, got 'root'"),
     ("pool_users = ['no-such-user-hk']", "pool_users: no user named 'no-such-user-hk' on this machine"),

@@ -46,6 +46,9 @@ class GPParams:
     max_points: int = 150           # points the GP is fitted to
     evidence_weight: float = 0.01   # how much the counters tip expected improvement
     random_dims: float = 1.0        # dimensions a random candidate moves, on average
+    screen_wait_windows: int = 40   # windows to wait for learnd's screening before searching without it
+    screen_trials: int = 3          # screened candidates tried online at most
+    screen_margin: float = 0.03     # the least replayed improvement worth a trial, a share of the cost
 
     def __post_init__(self):
         object.__setattr__(self, "warmup_windows", max(2, self.warmup_windows))
@@ -102,8 +105,46 @@ class GPLearner(Reporting):
         self._work: collections.deque[float] = collections.deque(maxlen=30)   # allocations/s of counted windows
         self._meter = _Meter(self.p.report_every)    # explore=False only
         self._idle = False
+        # Screening (learnd's screen.py): None (none under way), "waiting",
+        # a queue of replay-ranked candidates to confirm online, or "done".
+        self._screen: str | list | None = None
+        self._screen_wait = 0
+        self._screen_note = ""
+        self._screen_trial = False
         self._reset_search()
         return first
+
+    # -- screening (learnd's screen.py) -------------------------------------------------
+    def screening(self) -> None:
+        """learnd is replaying a trace of the program: after the warm-up, wait
+        for its ranking (up to screen_wait_windows) before any trial."""
+        self._screen = "waiting"
+        self._screen_wait = 0
+
+    def screened(self, ranked, why: str = "") -> None:
+        """The screening's results, cheapest first (screen.Ranked: label,
+        knobs, cost, spread), or [] and why it failed. The candidates the
+        replay ranks cheaper than the incumbent by more than the margin
+        and their replays' spread are tried online, best first."""
+        if self.ctx is None:
+            return
+        base = next((r for r in ranked if same(r.knobs, self._inc)), None) or \
+            next((r for r in ranked if r.label == "default"), None)
+        queue = []
+        if base is not None and base.cost > 0:
+            for i, r in enumerate(ranked):
+                rel = r.cost / base.cost - 1
+                need = max(self.p.screen_margin, r.spread, base.spread)
+                if same(r.knobs, self._inc) or -rel <= need:
+                    continue
+                k = self.ctx.clamp(r.knobs)
+                queue.append(_Cand(x=np.zeros(0), knobs=k, why=f"replay: {r.label} {_pct(rel)} vs incumbent, "
+                                                               f"#{i + 1} of {len(ranked)}"))
+                if len(queue) >= self.p.screen_trials:
+                    break
+        self._screen_note = (why or "the replay ranks nothing cheaper than the incumbent beyond its spread") \
+            if not queue else ""
+        self._screen = queue or "done"
 
     def observe(self, w: Window) -> Decision | None:
         if self.ctx is None:
@@ -159,7 +200,7 @@ class GPLearner(Reporting):
             if len(self._inc_costs) < self.p.warmup_windows:
                 return None
             self._begin()
-            return self._propose()
+            return None if self._screen_waits() else self._propose()
         if self._phase is Phase.SETTLED:
             if self._inc_run.n >= self.p.report_every:
                 _push(self._pending, [self._inc_run.evaluation("measured")])
@@ -167,10 +208,22 @@ class GPLearner(Reporting):
                 self._close_segment(self._inc_seg)
                 self._inc_seg = _Run(self._inc)
             return None
+        if self._screen_waits():
+            return None
         self._since += 1
         if self._since < self._need:
             return None
         return self._propose()
+
+    def _screen_waits(self) -> bool:
+        if self._screen != "waiting":
+            return False
+        self._screen_wait += 1
+        if self._screen_wait < self.p.screen_wait_windows:
+            return True
+        self._screen = "done"
+        self._screen_note = f"no screening results after {self.p.screen_wait_windows} windows"
+        return False
 
     def incumbent(self) -> tuple[Knobs, float | None]:
         if self.ctx is None:
@@ -350,6 +403,7 @@ class GPLearner(Reporting):
         self._need = self.p.remeasure_windows if self._trials % self.p.remeasure_every == 0 else 1
         _push(self._pending, [ev])
         change = f"cost {_pct(diff / inc)} vs incumbent (noise {rel * 100:.1f}%)"
+        screened, self._screen_trial = self._screen_trial, False
         if verdict == "accepted":
             self._scale += math.log(max(t.mean, 1e-300) / inc)
             self._inc, self._inc_x = t.knobs, t.x
@@ -359,7 +413,19 @@ class GPLearner(Reporting):
             self._fails_at_min = 0
             self._flat = 0
             self._tabu.clear()
+            if screened:
+                # The replay ranked every candidate after this one dearer: the
+                # search is over, and the settled phase costs nothing.
+                self._screen = "done"
+                self._settle()
+                return Decision(t.knobs, "accept", f"accept: {change}; the replay's best confirmed, settled",
+                                self._take())
             return Decision(t.knobs, "accept", f"accept: {change}", self._take())
+        if screened:
+            self._tabu.add(digest(t.knobs))
+            self._inc_seg = _Run(self._inc)
+            word = "roll back" if verdict == "rolled_back" else "reject (within noise), back to incumbent"
+            return Decision(self._inc, "rollback", f"{word}: {change} (screened candidate)", self._take())
         self._tabu.add(digest(t.knobs))
         at_min = t.radius <= self.p.radius_min + 1e-9
         self._fails_at_min = self._fails_at_min + 1 if at_min else 0
@@ -387,6 +453,20 @@ class GPLearner(Reporting):
         if self._inc_run.n >= self.p.remeasure_windows:
             _push(self._pending, [self._inc_run.evaluation("measured")])
             self._inc_run = _Run(self._inc)
+        if isinstance(self._screen, list):
+            while self._screen and digest(self._screen[0].knobs) in self._tabu:
+                self._screen.pop(0)
+            if self._screen:
+                c = self._screen.pop(0)
+                c.x = self._space.from_knobs(c.knobs)
+                self._screen_trial = True
+                self._close_segment(self._inc_seg)
+                self._inc_seg = _Run(self._inc)
+                self._trial = _Run(c.knobs, c.x, self._radius)
+                parts = self._space.describe(c.knobs, self._inc) or ["a policy outside the search's dimensions"]
+                return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [screened; {c.why}]", self._take())
+            self._screen = "done"
+            self._screen_note = "no screened candidate confirmed online"
         cands = self._candidates()
         while not cands and self._radius > self.p.radius_min + 1e-9:
             self._radius = max(self._radius * self.p.shrink, self.p.radius_min)

@@ -1,0 +1,302 @@
+"""Screening: a program's candidate policies ranked by replaying a short trace
+of the live program (DESIGN "learnd uses replay itself: candidates are
+screened on a sampled trace of the live program before any is tried on it;
+the online trial confirms instead of searching blind").
+
+A cold program (nothing stored for it) gets one `Screen`; learnd's loop
+steps it once per window:
+
+  WAIT     until the program has been measured for `after_windows` windows
+           and one of its processes allocates;
+  CAPTURE  a bounded capture request (capture.py) written into the busiest
+           process's telemetry file: `seconds` long, at most `max_bytes`
+           (a program that allocates fast fills the bound in a fraction of
+           a second, and its replay stays short);
+  REPLAY   the finished trace is taken out of the telemetry directory
+           (opened without following links, its owner checked, read within
+           its bound, its chunks and footer checked) into a private file,
+           and replayed under every screening policy, `jobs` at a time, in
+           a worker thread; learnd's loop never waits for a replay;
+  DONE     the results, cheapest first, go to the learner (`screened`) and
+           to the store (replay_runs, as `hakmem replay` keeps them);
+  FAILED   the reason goes to the log once, and the learner is told so
+           (`screened([], why)`): it searches as it would without.
+
+The policies are the coarse corners of the knobs (every class's cache deep,
+shallow or at the default, warm pools full or empty, a short drain, and
+their pairs) plus the trace's hot classes' caches at 4 and 16 times the
+default: the points where programs' best policies were found to lie
+(README "The learner's proof"), and too far from the default for a local
+search to reach in a few trials.
+
+A user's trace is data from that user's program: when learnd is root, the
+replayer runs as the trace's owner, so a trace crafted to break the
+replayer could at most break a process of its own user."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import errno
+import os
+import tempfile
+import time
+
+from . import capture as C
+from .knobs import Knobs, default_batch
+from .learning import Context
+
+SECONDS = 1                  # the capture's bound in time ...
+MAX_BYTES = 16 << 20         # ... and in bytes (about 1.3 million events)
+AFTER_WINDOWS = 2            # windows measured before the capture is asked for
+ACK_WAIT_S = 10.0            # a process takes a request on its next allocation or telemetry tick
+GRACE_S = 10.0               # after SECONDS: the bound is checked at the next allocation or tick
+REPLAY_TIMEOUT_S = 120.0     # one replay; a trace of SECONDS replays in about that long
+HOT_FACTORS = (4, 16)        # the hot classes' caps, times the default
+SHALLOW_CAP = 4              # "shallow": blocks per class
+MID_CAP = 32
+
+
+@dataclasses.dataclass
+class Ranked:
+    """One screening policy's replay, as the learner gets it."""
+    label: str
+    knobs: Knobs
+    cost: float          # replay cost, the objective's units per traced second
+    spread: float        # (max - min) / median over the replay's runs
+    rss_bytes: float
+    time_cost: float
+
+
+def _all_caps(ctx: Context, k: dict, cap_of) -> None:
+    for c in range(1, len(ctx.class_size)):
+        if ctx.default["tcache_cap"][c] > 0:
+            cap = int(min(max(cap_of(c), 1), ctx.cap_max[c]))
+            k["tcache_cap"][c] = cap
+            k["tcache_batch"][c] = default_batch(cap, ctx.batch_max)
+
+
+def _all_warm(ctx: Context, k: dict, warm_of) -> None:
+    for c in range(1, len(ctx.class_size)):
+        k["warm_slabs"][c] = int(min(max(warm_of(c), 0), ctx.warm_max[c]))
+
+
+def policies(ctx: Context, hot: list[int]) -> list[tuple[str, Knobs]]:
+    """The screening set as (label, knobs), the program's default first, no
+    two alike, every one inside the program's bounds."""
+    d = ctx.default
+    caps = {"cap=max": lambda c: ctx.cap_max[c], f"cap={MID_CAP}": lambda c: MID_CAP,
+            f"cap={SHALLOW_CAP}": lambda c: SHALLOW_CAP}
+    warms = {"warm=max": lambda c: ctx.warm_max[c], "warm=0": lambda c: 0}
+    out: list[tuple[str, Knobs]] = [("default", ctx.clamp(d))]
+
+    def add(label, *edits):
+        k = d.to_dict()
+        for e in edits:
+            e(k)
+        out.append((label, ctx.clamp(k)))
+
+    for name, f in caps.items():
+        add(name, lambda k, f=f: _all_caps(ctx, k, f))
+    for name, f in warms.items():
+        add(name, lambda k, f=f: _all_warm(ctx, k, f))
+    for cname in ("cap=max", f"cap={SHALLOW_CAP}"):
+        add(f"{cname} warm=max", lambda k, f=caps[cname]: _all_caps(ctx, k, f),
+            lambda k: _all_warm(ctx, k, warms["warm=max"]))
+    add("drain=100ms", lambda k: k.__setitem__("drain_ms", min(100, ctx.drain_ms_max)))
+    add(f"cap={SHALLOW_CAP} drain=100ms", lambda k: _all_caps(ctx, k, caps[f"cap={SHALLOW_CAP}"]),
+        lambda k: k.__setitem__("drain_ms", min(100, ctx.drain_ms_max)))
+    for c in hot[:2]:
+        for f in HOT_FACTORS:
+            def hot_cap(k, c=c, f=f):
+                cap = int(min(max(d["tcache_cap"][c] * f, 1), ctx.cap_max[c]))
+                k["tcache_cap"][c] = cap
+                k["tcache_batch"][c] = default_batch(cap, ctx.batch_max)
+            add(f"cap[{ctx.class_size[c]}B]x{f}", hot_cap)
+            if f == HOT_FACTORS[0]:
+                add(f"cap[{ctx.class_size[c]}B]x{f} warm=max", hot_cap,
+                    lambda k: _all_warm(ctx, k, warms["warm=max"]))
+    seen, uniq = set(), []
+    for label, k in out:
+        if k.digest() not in seen:
+            seen.add(k.digest())
+            uniq.append((label, k))
+    return uniq
+
+
+class Screen:
+    """One program's screening (see the module's docstring). `step` once per
+    window; it returns the ranked results once (DONE), an empty list with
+    `why` set once (FAILED), else None."""
+
+    WAIT, CAPTURE, REPLAY, DONE, FAILED = "wait", "capture", "replay", "done", "failed"
+
+    def __init__(self, ctx: Context, shm_dir: str, objective, prices, *, replayer=None, jobs=2, repeat=1,
+                 seconds=SECONDS, max_bytes=MAX_BYTES, after_windows=AFTER_WINDOWS, clock=time):
+        self.ctx, self.shm_dir, self.objective, self.prices = ctx, shm_dir, objective, prices
+        self.replayer, self.jobs, self.repeat = replayer, max(1, int(jobs)), max(1, int(repeat))
+        self.seconds, self.max_bytes, self.after_windows = int(seconds), int(max_bytes), after_windows
+        self.clock = clock
+        self.state = self.WAIT
+        self.why = ""
+        self.windows = 0
+        self.proc = None
+        self.req = 0
+        self.deadline = 0.0
+        self.path: str | None = None      # the private copy of the trace
+        self.footer: dict | None = None
+        self.facts = None
+        self.results: list[tuple[Ranked, object]] = []   # (ranked, replay.Result)
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._fut: cf.Future | None = None
+        self.t_started = self.t_traced = self.t_done = None
+        self.t_capture_end: float | None = None
+
+    # ---- the steps -------------------------------------------------------------------
+    def step(self, procs, now: float):
+        """procs: the program's live processes (daemon.Proc) now."""
+        if self.state in (self.DONE, self.FAILED):
+            return None
+        try:
+            if self.state == self.WAIT:
+                self.windows += 1
+                if self.windows >= self.after_windows:
+                    self._ask(procs, now)
+                return None
+            if self.state == self.CAPTURE:
+                self._wait_capture(procs, now)
+                return None
+            if self.state == self.REPLAY and self._fut.done():
+                ranked = self._fut.result()
+                self.state, self.t_done = self.DONE, now
+                self._cleanup()
+                return ranked
+        except C.CaptureError as e:
+            return self._fail(str(e))
+        except Exception as e:   # a replay that failed (replay.ReplayError), a trace that does not parse
+            return self._fail(f"{type(e).__name__}: {e}" if not str(e).startswith(("hakmem", "/")) else str(e))
+        return None
+
+    def tracing_during(self, t0: float, t1: float) -> bool:
+        """Whether a capture may have run in [t0, t1] (monotonic): such a
+        window is no evidence for a policy, every call having taken the
+        capture's slow path."""
+        return self.t_started is not None and self.t_started < t1 and \
+            (self.t_capture_end is None or self.t_capture_end > t0)
+
+    def _fail(self, why: str):
+        if self.t_capture_end is None:
+            self.t_capture_end = self.clock.monotonic()
+        self.state, self.why = self.FAILED, why
+        self._cleanup()
+        return []
+
+    def _ask(self, procs, now):
+        busy = [p for p in procs if p.last_allocs > 0 and p.ring.alive]
+        if not busy:
+            return            # nothing allocates: nothing to trace yet
+        p = max(busy, key=lambda p: p.last_allocs)
+        self.proc = p
+        self.req = C.request(p.ring, self.seconds, self.max_bytes)
+        self.state, self.t_started = self.CAPTURE, now
+        self.deadline = now + ACK_WAIT_S
+
+    def _wait_capture(self, procs, now):
+        p = self.proc
+        if p not in procs:
+            raise C.CaptureError(f"process {p.pid} ended during the capture")
+        a = C.answer(p.ring, self.req)
+        if a is None:
+            if now >= self.deadline:
+                raise C.CaptureError(f"process {p.pid} did not take the capture request within {ACK_WAIT_S:g} s")
+            return
+        state, err = a
+        if state == C.REFUSED:
+            raise C.CaptureError(f"process {p.pid} refused the capture: "
+                                 + ("a capture is already on" if err == errno.EBUSY else os.strerror(err)))
+        if state != C.DONE:
+            if self.t_traced is None:        # taken: now the capture's own bound
+                self.t_traced = now
+                self.deadline = now + self.seconds + GRACE_S
+            if now >= self.deadline:
+                raise C.CaptureError(f"process {p.pid} did not end the capture within "
+                                     f"{self.seconds + GRACE_S:g} s")
+            return
+        self.t_capture_end = now
+        self._take(p)
+        self._start_replays()
+
+    def _take(self, p):
+        """The finished trace out of the telemetry directory, into a private
+        file (the replayer's owner may read it), checked whole."""
+        name = C.trace_name(p.ring, self.req)
+        dfd, fd, st = C._open_trace(self.shm_dir, name, p.ring.file_uid)
+        try:
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(self.max_bytes + (1 << 20))
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        self.footer = C.check_trace(data)
+        if self.footer["events"] == 0:
+            raise C.CaptureError(f"process {p.pid}'s capture holds no events")
+        ofd, path = tempfile.mkstemp(prefix="hakmem-screen-", suffix=".trace")
+        self.path = path
+        with os.fdopen(ofd, "wb") as o:
+            o.write(data)
+        self.uid = p.ring.file_uid
+        if os.geteuid() == 0 and self.uid != 0:
+            os.chown(path, self.uid, -1)
+
+    def _start_replays(self):
+        self.state = self.REPLAY
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hakmem-screen")
+        self._fut = self._pool.submit(self._replay_all)
+
+    # ---- the worker thread ---------------------------------------------------------------
+    def _replay_all(self) -> list[Ranked]:
+        from . import replay as R
+        facts = R.trace_facts(self.path)
+        self.facts = facts
+        hot = facts.hot_classes(most=2)
+        pol = policies(self.ctx, hot)
+        user = self.uid if os.geteuid() == 0 and self.uid != 0 else None
+
+        def one(item):
+            label, k = item
+            res = R.run_replayer(self.path, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
+                                 timeout=REPLAY_TIMEOUT_S, user=user)
+            return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
+        with cf.ThreadPoolExecutor(max_workers=self.jobs) as ex:
+            done = list(ex.map(one, pol))
+        self.results = [(Ranked(label, k, r.cost, r.spread, r.peak_rss_bytes, r.time_cost), r)
+                        for label, k, r in done]
+        return sorted((rk for rk, _ in self.results), key=lambda r: r.cost)
+
+    # ---- the end --------------------------------------------------------------------------
+    def _cleanup(self):
+        if self.path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self.path = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def close(self):
+        """learnd stops: replays under way are ended."""
+        if self.state == self.REPLAY:
+            from . import replay as R
+            R._RUNNING.stop()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._cleanup()
+
+    def describe(self, ranked: list[Ranked], top=3) -> str:
+        base = next((r.cost for r in ranked if r.label == "default"), None)
+        parts = []
+        for r in ranked[:top]:
+            rel = f" {100 * (r.cost / base - 1):+.0f}%" if base else ""
+            parts.append(f"{r.label}{rel}")
+        f = self.footer or {}
+        return (f"{len(ranked)} policies replayed on {f.get('events', 0):,} events "
+                f"({f.get('duration_s', 0):.2f} s traced); best: {', '.join(parts)}")

@@ -1,0 +1,130 @@
+"""Screening (learnd's screen.py): the policies a trace is replayed under, and
+what the GP learner does with the ranking, driven by the simulated program of
+test_learners (no processes). learnd end to end with a real capture and real
+replays is in test_learnd.py (test_screening_*)."""
+import dataclasses
+
+from hakmem.learners import GPLearner
+from hakmem.learning import same
+from hakmem.screen import Ranked, policies
+from test_learners import CLS, Sim, assert_in_bounds, drive, make_ctx, with_hot
+
+
+def ranked(sim, pols, noise=0.0):
+    """What a replay would say: the simulator's true cost, cheapest first."""
+    return sorted((Ranked(label, k, sim.truth(k)["cost"] * (1 + noise), 0.01, 0.0, 0.0) for label, k in pols),
+                  key=lambda r: r.cost)
+
+
+def test_policies_are_distinct_in_bounds_and_reach_the_corners():
+    ctx = make_ctx()
+    hot = [CLS[64], CLS[512]]
+    pols = policies(ctx, hot)
+    labels = [lb for lb, _ in pols]
+    assert labels[0] == "default" and same(pols[0][1], ctx.default)
+    assert len({k.digest() for _, k in pols}) == len(pols)
+    for _, k in pols:
+        assert_in_bounds(ctx, k)
+        assert same(ctx.clamp(k), k)
+    by = dict(pols)
+    for c in range(1, len(ctx.class_size)):
+        if ctx.default["tcache_cap"][c]:
+            assert by["cap=max"]["tcache_cap"][c] == ctx.cap_max[c]
+            assert by["cap=4"]["tcache_cap"][c] == min(4, ctx.cap_max[c])
+        assert by["warm=max"]["warm_slabs"][c] == ctx.warm_max[c]
+        assert by["warm=0"]["warm_slabs"][c] == 0
+    # The hot classes' own caps, and nothing else moved.
+    k = by["cap[64B]x4"]
+    assert k["tcache_cap"][CLS[64]] == min(4 * ctx.default["tcache_cap"][CLS[64]], ctx.cap_max[CLS[64]])
+    assert [c for c in range(len(ctx.class_size)) if k["tcache_cap"][c] != ctx.default["tcache_cap"][c]] == [CLS[64]]
+    assert "cap[512B]x16" in by and "cap=4 warm=max" in by and "drain=100ms" in by
+
+
+def test_gp_waits_for_the_screen_then_confirms_its_best_online_and_settles():
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    pols = policies(ctx, [CLS[512]]) + [("hot deep", with_hot(ctx.default, 512, 4096))]
+    pols = [(lb, ctx.clamp(k)) for lb, k in pols]
+    best = ranked(sim, pols)[0]
+    assert not same(best.knobs, ctx.default)
+    lrn = GPLearner(seed=0)
+    delivered = []
+
+    def before(i):
+        if i == 0:
+            lrn.screening()
+        if i == 8:           # the screen's results come in at the ninth window
+            lrn.screened(ranked(sim, pols))
+            delivered.append(i)
+    decisions, in_force, incumbents = drive(lrn, sim, ctx, 40, before_window=before)
+    first = decisions[0]
+    assert first[0] >= 8, f"no trial before the screen's results: {decisions[:2]}"
+    assert first[1].kind == "explore" and same(first[1].knobs, best.knobs) and "screened" in first[1].reason
+    kinds = [d.kind for _, d in decisions]
+    assert kinds[:2] == ["explore", "accept"], decisions
+    assert "settled" in decisions[1][1].reason and lrn.state() == "settled"
+    assert len(decisions) == 2, "settled: no more trials"
+    assert same(lrn.incumbent()[0], best.knobs)
+
+
+def test_gp_tries_the_next_screened_candidate_when_the_best_fails_online():
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    pols = [(lb, ctx.clamp(k)) for lb, k in policies(ctx, [CLS[512]])]
+    real = ranked(sim, pols)
+    # The replay is wrong about one policy: it ranks a shallow cache first,
+    # which live costs far more than the default.
+    bad = next(r for r in real if r.label == "cap=4")
+    assert sim.truth(bad.knobs)["cost"] > sim.truth(ctx.default)["cost"]
+    lied = [dataclasses.replace(bad, cost=real[0].cost * 0.5)] + [r for r in real if r is not bad]
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    lrn.screened(lied)
+    decisions, _, _ = drive_started(lrn, sim, ctx, 40)
+    kinds = [(d.kind, d.knobs) for _, d in decisions]
+    assert kinds[0][0] == "explore" and same(kinds[0][1], bad.knobs)
+    assert kinds[1][0] == "rollback" and same(kinds[1][1], ctx.default)
+    assert kinds[2][0] == "explore" and same(kinds[2][1], real[0].knobs)
+    assert kinds[3][0] == "accept"
+
+
+def test_gp_searches_on_its_own_when_the_screen_fails_or_never_answers():
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    lrn.screened([], "process 1 refused the capture: a capture is already on")
+    decisions, _, _ = drive_started(lrn, sim, ctx, 6)
+    assert decisions and decisions[0][1].kind == "explore" and "screened" not in decisions[0][1].reason
+    lrn = GPLearner(seed=0, screen_wait_windows=10)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    decisions, _, _ = drive_started(lrn, sim, ctx, 20)
+    assert decisions and 10 <= decisions[0][0] <= 12, decisions[0]
+
+
+def test_gp_keeps_the_default_when_the_replay_ranks_nothing_cheaper():
+    ctx = make_ctx()
+    sim = Sim(ctx, allocs=1.0, slab_rate=0.0, penalty=lambda k: 1.0 if same(k, ctx.default) else 1.2)
+    pols = [(lb, ctx.clamp(k)) for lb, k in policies(ctx, [CLS[512]])]
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    r = ranked(sim, pols)
+    assert same(r[0].knobs, ctx.default)
+    lrn.screened(r)
+    decisions, _, _ = drive_started(lrn, sim, ctx, 8)
+    # Not one screened trial; the blind search that follows is the learner's usual one.
+    assert all("screened" not in d.reason for _, d in decisions)
+
+
+def drive_started(lrn, sim, ctx, n):
+    """drive() for a learner already started (its start() decision was None)."""
+    start = lrn.start
+    lrn.start = lambda *a, **k: None
+    try:
+        return drive(lrn, sim, ctx, n)
+    finally:
+        lrn.start = start

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKLOAD, clean_env, proc_start_time, ring_path, scaled, start, wait_for
+from conftest import ROOT, WORKLOAD, clean_env, proc_start_time, ring_path, run_cli, scaled, start, wait_for
 
 sys.path.insert(0, str(ROOT / "learner"))
 from hakmem.lease import Lease  # noqa: E402
@@ -557,3 +557,86 @@ def test_a_person_watches_events_and_status_while_a_program_is_tuned(tmp_path):
         finish(w)
     finally:
         assert d.stop() == 0, d.text()
+
+
+def test_screening_ranks_candidates_on_a_trace_before_any_trial(tmp_path):
+    """Cold start with screening (screen.py): learnd asks the process for a
+    bounded capture, replays it under the screening policies with the real
+    replayer, and its first trial is the replay's best; the replays are
+    stored with the program, and nothing is left in the telemetry directory
+    or the temporary directory."""
+    d = Learnd(tmp_path, "--learner", "gp")
+    try:
+        w = start(["burst", 64, 4000, scaled(20)], d.shm)
+        ring_path(d.shm, w.pid)
+        d.wait_log("policy_applied workload", 25)
+        finish(w)
+        d.wait_log(f"process_exited workload[{w.pid}]")
+    finally:
+        assert d.stop() == 0, d.text()
+    log = d.text()
+    assert "screened workload" in log, log
+    before_screen = log[:log.index("screened workload")]
+    assert "policy_applied" not in before_screen, "a trial before the screen's ranking:\n" + log
+    first = next(ln for ln in log.splitlines() if "policy_applied workload" in ln)
+    assert "[screened; replay: " in first and "cap@64B" in first, first
+    rows = db_rows(d.db, "SELECT r.program_id, g.id, r.trace_path, r.cost, r.repeat FROM replay_runs r "
+                         "JOIN programs g ON g.id = r.program_id")
+    assert len(rows) >= 10, rows
+    assert all(r[3] > 0 and r[4] >= 1 for r in rows), rows
+    assert not any(os.path.exists(r[2]) for r in rows), "the private copy of the trace was removed"
+    assert telemetry_files(d.shm) == []
+    # A window that the capture ran in is no evidence for any policy.
+    n_free = db_rows(d.db, "SELECT count(*) FROM windows WHERE policy_id IS NULL")[0][0]
+    assert n_free >= 1
+    # The evidence, as `hakmem policy explain` gives it.
+    r = run_cli("policy", "explain", "workload", "--db", d.db, "--run-dir", d.run, "--json")
+    assert r.returncode == 0, r.stderr
+    ev = json.loads(r.stdout)
+    assert len(ev["replay"]["ranking"]) == len(rows)
+    costs = [x["cost"] for x in ev["replay"]["ranking"]]
+    assert costs == sorted(costs)
+    trial = next(t for t in ev["trials"] if "cap[64B]" in t["policy"]["label"])
+    assert trial["baseline"]["label"] == "default" and trial["windows"] >= 2
+    if ev["in_force"]["origin"] == "learned":
+        assert ev["accepted_by"]["relative"] < 0 and any(x["in_force"] for x in ev["replay"]["ranking"])
+    r = run_cli("policy", "explain", "workload", "--db", d.db, "--run-dir", d.run)
+    assert r.returncode == 0 and "in force: v" in r.stdout and "replay (trace " in r.stdout, r.stdout
+    r = run_cli("policy", "explain", "nothing-like-it", "--db", d.db, "--run-dir", d.run)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "no program matches" in r.stderr, r.stderr
+
+
+def test_screening_refused_is_one_warning_and_the_search_goes_on(tmp_path):
+    """A process that is already capturing refuses the request (EBUSY): one
+    warning with the reason, and the learner searches without the replay."""
+    d = Learnd(tmp_path, "--learner", "gp")
+    try:
+        w = start(["burst", 64, 4000, scaled(12)], d.shm, HAKMEM_TRACE=str(tmp_path / "own.trace"),
+                  HAKMEM_TRACE_SAMPLE=1 << 20)
+        ring_path(d.shm, w.pid)
+        d.wait_log("screen_failed workload", 15)
+        d.wait_log("policy_applied workload", 25)
+        finish(w)
+        d.wait_log(f"process_exited workload[{w.pid}]")
+    finally:
+        assert d.stop() == 0, d.text()
+    log = d.text()
+    assert log.count("screen_failed") == 1, log
+    line = next(ln for ln in log.splitlines() if "screen_failed" in ln)
+    assert "refused the capture: a capture is already on; searching without replay" in line, line
+    assert "[screened" not in log
+    assert db_rows(d.db, "SELECT count(*) FROM replay_runs")[0][0] == 0
+    assert telemetry_files(d.shm) == []
+
+
+def test_no_screen_flag_keeps_the_blind_search(tmp_path):
+    d = Learnd(tmp_path, "--learner", "gp", "--no-screen")
+    try:
+        w = start(["burst", 64, 4000, scaled(8)], d.shm)
+        ring_path(d.shm, w.pid)
+        d.wait_log("policy_applied workload", 15)
+        finish(w)
+    finally:
+        assert d.stop() == 0, d.text()
+    log = d.text()
+    assert "screened workload" not in log and "screen_failed" not in log and "[screened" not in log, log

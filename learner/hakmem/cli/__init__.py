@@ -91,6 +91,15 @@ def _add_learnd_commands(sub):
     _json_arg(di)
     di.set_defaults(func=("policy", "cmd_policy_diff"))
 
+    xp = ps.add_parser("explain", parents=[common], help="the evidence for the policy in force",
+                       description="Why learnd chose the program's policy in force, from its database: the "
+                                   "trial that made it the incumbent (its cost against the policy before it), "
+                                   "every other trial's verdict, the windows measured per policy, and where the "
+                                   "screening's replay ranked it. Reads the database even while learnd runs.")
+    xp.add_argument("program", metavar="PROGRAM", help=prog_help)
+    _json_arg(xp)
+    xp.set_defaults(func=("policy", "cmd_policy_explain"))
+
     pi = ps.add_parser("pin", parents=[common], help="make hakmem-learnd apply one policy and stop exploring",
                        description="Pins a stored VERSION, or new knobs: --set starts from the program's pinned "
                                    "(else best, else default) policy. Keys as in `hakmem ring set-policy`: "

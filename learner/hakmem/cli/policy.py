@@ -187,6 +187,24 @@ def cmd_policy_unpin(args):
     return 0
 
 
+def cmd_policy_explain(args):
+    from .. import explain, store
+    from ..config import default_db
+    db = os.path.abspath(args.db or default_db())
+    if not os.path.exists(db):
+        raise ControlError(f"no database at {db} (hakmem-learnd has not run yet, or use --db)")
+    st = store.Store(db, readonly=True)
+    try:
+        ev = explain.evidence(st, args.program)
+    finally:
+        st.close()
+    if args.json:
+        _out_json(ev)
+    else:
+        print("\n".join(explain.words(ev)))
+    return 0
+
+
 def cmd_policy_export(args):
     if args.output == "-" and sys.stdout.isatty():
         raise _Usage("the policy file is binary: not written to a terminal (use -o FILE)")

@@ -346,6 +346,7 @@ static pthread_barrier_t start_bar;
 static uint64_t replay_t0;   /* CLOCK_MONOTONIC when the barrier opened */
 static _Atomic uint64_t idle_ns;
 static _Atomic uint64_t ops_done;
+static _Atomic uint32_t threads_done;   /* replay threads at their end: the RSS sampler's stop */
 static _Atomic int stuck;
 
 static void touch(void* p, uint64_t n) {
@@ -438,6 +439,7 @@ static void* replay_thread(void* arg) {
 out:
   atomic_fetch_add(&ops_done, done);
   atomic_fetch_add(&idle_ns, slept);
+  atomic_fetch_add_explicit(&threads_done, 1, memory_order_release);
   return NULL;
 }
 
@@ -544,6 +546,7 @@ typedef struct {
   hk_policy_t policy;
   double wall_s, cpu_s, idle_s;
   uint64_t peak_rss, base_rss, minflt, majflt, ops;
+  uint64_t mean_rss;      /* resident memory above base_rss, averaged over the replay's wall time */
   uint64_t proc[64];
   uint64_t cls[64];       /* class counters summed over classes */
 } run_t;
@@ -552,6 +555,22 @@ typedef struct {
 enum { N_PROC = 0 HK_PROC_COUNTERS(X_COUNT), N_CLS = 0 HK_CLASS_COUNTERS(X_COUNT) };
 #undef X_COUNT
 _Static_assert(N_PROC <= 64 && N_CLS <= 64, "counter arrays fit");
+
+#define RSS_SAMPLE_NS 10000000L
+
+/* Resident bytes now (/proc/self/statm's second field), 0 if unreadable. */
+static uint64_t statm_rss(void) {
+  char buf[256];
+  int fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  unsigned long long size = 0, res = 0;
+  if (sscanf(buf, "%llu %llu", &size, &res) != 2) return 0;
+  return (uint64_t)res * (uint64_t)sysconf(_SC_PAGESIZE);
+}
 
 static uint64_t status_kb(const char* field) {
   char buf[4096];
@@ -620,9 +639,22 @@ static int run_once(int out_fd) {
   uint64_t t0 = now_ns();
   replay_t0 = t0;
   pthread_barrier_wait(&start_bar);
+  /* Resident memory every RSS_SAMPLE_NS while the threads replay: a live
+   * program's cost prices its mean resident memory (learnd's windows), and
+   * memory parked through idle gaps shows only in the mean. */
+  double rss_sum = 0;
+  uint64_t rss_n = 0;
+  while (atomic_load_explicit(&threads_done, memory_order_acquire) < active) {
+    struct timespec ts = {0, RSS_SAMPLE_NS};
+    nanosleep(&ts, NULL);
+    rss_sum += (double)statm_rss();
+    rss_n++;
+  }
   for (uint32_t t = 1; t <= nt; t++)
     if (thread_nev[t]) pthread_join(tid[t], NULL);
   uint64_t t1 = now_ns();
+  double mean = rss_n ? rss_sum / (double)rss_n : (double)statm_rss();
+  r.mean_rss = mean > (double)r.base_rss ? (uint64_t)(mean - (double)r.base_rss) : 0;
   getrusage(RUSAGE_SELF, &u1);
   hk_stats_get(&s1);
   if (atomic_load(&stuck))
@@ -736,9 +768,9 @@ static void print_json(run_t* runs, int n) {
   for (int k = 0; k < n; k++) {
     run_t* r = &runs[k];
     printf("%s\n  {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"idle_s\": %.6f, \"peak_rss_bytes\": %" PRIu64
-           ", \"base_rss_bytes\": %" PRIu64 ", \"minflt\": %" PRIu64 ", \"majflt\": %" PRIu64 ", \"ops\": %" PRIu64
-           ", \"os_calls\": {", k ? "," : "", r->wall_s, r->cpu_s, r->idle_s, r->peak_rss, r->base_rss, r->minflt,
-           r->majflt, r->ops);
+           ", \"mean_rss_bytes\": %" PRIu64 ", \"base_rss_bytes\": %" PRIu64 ", \"minflt\": %" PRIu64
+           ", \"majflt\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"os_calls\": {", k ? "," : "", r->wall_s, r->cpu_s,
+           r->idle_s, r->peak_rss, r->mean_rss, r->base_rss, r->minflt, r->majflt, r->ops);
     unsigned i = 0;
     bool first = true;
 #define X_OC(name, desc) if (strstr(#name, "_calls")) { printf("%s\"%.*s\": %" PRIu64, first ? "" : ", ", \
@@ -777,9 +809,9 @@ static void print_text(run_t* runs, int n) {
   double w[MAX_REPEAT], rss[MAX_REPEAT];
   for (int k = 0; k < n; k++) {
     const run_t* r = &runs[k];
-    printf("run %d: %.3f s wall (%.3f idle), %.3f s cpu, peak RSS %.1f MiB (base %.1f), %" PRIu64 " page faults, %" PRIu64
-           " OS calls, %" PRIu64 " ops\n", k + 1, r->wall_s, r->idle_s, r->cpu_s, r->peak_rss / 1048576.0,
-           r->base_rss / 1048576.0, r->minflt, os_calls(r), r->ops);
+    printf("run %d: %.3f s wall (%.3f idle), %.3f s cpu, peak RSS %.1f MiB (mean %.1f, base %.1f), %" PRIu64
+           " page faults, %" PRIu64 " OS calls, %" PRIu64 " ops\n", k + 1, r->wall_s, r->idle_s, r->cpu_s,
+           r->peak_rss / 1048576.0, r->mean_rss / 1048576.0, r->base_rss / 1048576.0, r->minflt, os_calls(r), r->ops);
     w[k] = r->wall_s;
     rss[k] = (double)r->peak_rss;
   }

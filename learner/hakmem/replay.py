@@ -242,7 +242,9 @@ def run_cost(run: dict, facts: TraceFacts, objective: Objective, prices: Prices)
         t = time_cost(_total(counters["slow_ns"]) / D, float(run.get("minflt", 0)) / D, os_calls / D, prices)
     else:
         t = float(run.get("cpu_s", run.get("wall_s", 0.0))) / D
-    rss = float(run.get("peak_rss_bytes", 0))
+    # Resident memory as a live window prices it: its mean (a replayer before
+    # mean_rss_bytes reported only the peak).
+    rss = float(run.get("mean_rss_bytes", run.get("peak_rss_bytes", 0)))
     m = objective.mem_cost(rss)
     return t, m, t + m
 
@@ -265,6 +267,7 @@ class Result:
     run_costs: list
     raw: dict
     stored: bool = False        # found in the store, not replayed now
+    mean_rss_bytes: float = 0.0  # resident memory averaged over the replay (what the cost prices)
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -289,6 +292,7 @@ def result_of(res: dict, knobs: dict, facts: TraceFacts, objective: Objective, p
     return Result(knobs=knobs, policy=res.get("policy") or {}, repeat=len(runs), wall_s=med_of("wall_s"),
                   cpu_s=med_of("cpu_s"), peak_rss_bytes=med_of("peak_rss_bytes"), os_calls=med_of("os_calls"),
                   minflt=med_of("minflt"), time_cost=costs[i][0], mem_cost=costs[i][1], cost=costs[i][2],
+                  mean_rss_bytes=med_of("mean_rss_bytes"),
                   spread=float((c.max() - c.min()) / med) if med > 0 else 0.0,
                   run_costs=[float(x) for x in c], raw=res)
 

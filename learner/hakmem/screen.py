@@ -103,6 +103,8 @@ def policies(ctx: Context, hot: list[int]) -> list[tuple[str, Knobs]]:
     for cname in ("cap=max", f"cap={SHALLOW_CAP}"):
         add(f"{cname} warm=max", lambda k, f=caps[cname]: _all_caps(ctx, k, f),
             lambda k: _all_warm(ctx, k, warms["warm=max"]))
+    add(f"cap={SHALLOW_CAP} warm=0", lambda k: _all_caps(ctx, k, caps[f"cap={SHALLOW_CAP}"]),
+        lambda k: _all_warm(ctx, k, warms["warm=0"]))
     add("drain=100ms", lambda k: k.__setitem__("drain_ms", min(100, ctx.drain_ms_max)))
     add(f"cap={SHALLOW_CAP} drain=100ms", lambda k: _all_caps(ctx, k, caps[f"cap={SHALLOW_CAP}"]),
         lambda k: k.__setitem__("drain_ms", min(100, ctx.drain_ms_max)))
@@ -270,7 +272,7 @@ class Screen:
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
         with cf.ThreadPoolExecutor(max_workers=self.jobs) as ex:
             done = list(ex.map(one, pol))
-        self.results = [(Ranked(label, k, r.cost, r.spread, r.peak_rss_bytes, r.time_cost), r)
+        self.results = [(Ranked(label, k, r.cost, r.spread, r.mean_rss_bytes, r.time_cost), r)
                         for label, k, r in done]
         return sorted((rk for rk, _ in self.results), key=lambda r: r.cost)
 

@@ -251,3 +251,38 @@ def test_idle_gaps_are_kept(tmp_path):
     fast = replay_json("--pace", "none", tr)
     assert fast["pace"] == "none" and fast["runs"][0]["wall_s"] < 0.25 and fast["runs"][0]["idle_s"] == 0
     assert paced["runs"][0]["ops"] == fast["runs"][0]["ops"] == 200
+
+
+def spike_trace(path, mib=48, idle_ms=600):
+    """One thread: mib MiB of 1-8 KiB blocks (eight classes) allocated,
+    freed, then idle_ms of nothing, and one last small allocation (the end
+    of the idle time)."""
+    w = TraceWriter(path, pid=4343, exe="/usr/bin/spike")
+    n = (mib << 20) // 4608
+    t, ev = 1000, []
+    for i in range(n):
+        ev.append((MALLOC, 1024 * (1 + i % 8), 0, 0x10000000 + 8192 * i, 0, t)); t += 100
+    for i in range(n):
+        ev.append((FREE, 0, 0, 0x10000000 + 8192 * i, 0, t)); t += 100
+    t += idle_ms * 1_000_000
+    ev.append((MALLOC, 64, 0, 0x900000, 0, t))
+    ev.append((FREE, 0, 0, 0x900000, 0, t + 10))
+    w.chunk(1, ev)
+    w.close()
+
+
+def test_mean_resident_memory_shows_what_a_policy_keeps_through_idle_time(tmp_path):
+    """A spike freed before a long idle time: its peak is the same whatever
+    the policy, but the mean over the replay is not (learnd's windows price
+    the mean): shallow caches and no warm pool keep less of it."""
+    tr = tmp_path / "s.trace"
+    spike_trace(tr)
+    keep = replay_json(tr)["runs"][0]
+    pol = tmp_path / "lean.json"
+    pol.write_text(json.dumps({"tcache_cap": 1, "tcache_batch": 1, "warm_slabs": 0}))
+    lean = replay_json("--policy", pol, tr)["runs"][0]
+    for run in (keep, lean):
+        assert 0 < run["mean_rss_bytes"] <= run["peak_rss_bytes"], run
+        assert run["wall_s"] >= 0.6
+    assert lean["mean_rss_bytes"] < 0.75 * keep["mean_rss_bytes"], (lean["mean_rss_bytes"], keep["mean_rss_bytes"])
+    assert "mean " in replay(tr).stdout

@@ -3,7 +3,7 @@
  *   learn_workload MODE SECONDS [SEED] [KEY=VALUE ...]
  *
  * Linked against glibc only: the allocator under test comes by LD_PRELOAD.
- * Three modes whose best static policies differ:
+ * Four modes whose best static policies differ:
  *
  *   burst         one thread; bursts of N 64-byte blocks (N drawn from
  *                 [n_min, n_max], default 2500..4000) allocated, written, then
@@ -30,6 +30,15 @@
  *                 shared warm pools or faults it in again from the OS; what
  *                 the last worker's cache kept, it cannot use. Wants: a warm
  *                 pool that holds a whole phase, caches no deeper than usual.
+ *   spikes        one thread; every `spike_ms` (default 2000) a spike of
+ *                 `spike_mib` MiB (default 64) in 1..8 KiB blocks, allocated,
+ *                 written, held `hold_ms` (100), freed, then idle. What the
+ *                 allocator keeps of a spike (up to 1 MiB of blocks per class
+ *                 in the thread cache, 1 MiB of empty slabs per class in the
+ *                 warm pools) stays resident through the idle time, and at a
+ *                 price per GiB that costs more than faulting it in again at
+ *                 the next spike. Wants: shallow caches and empty warm pools,
+ *                 the other side of phases.
  *
  * Every 0.25 s the main thread prints one JSON line on stdout:
  *   {"t": seconds since start, "ops": cumulative operations (mallocs + frees),
@@ -52,10 +61,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#define USAGE "usage: learn_workload burst|idle-threads|phases SECONDS [SEED] [KEY=VALUE ...]\n" \
+#define USAGE "usage: learn_workload burst|idle-threads|phases|spikes SECONDS [SEED] [KEY=VALUE ...]\n" \
               "  burst: n_min=2500 n_max=4000 size=64\n" \
               "  idle-threads: threads=32 kib=256 sleep_min_ms=50 sleep_max_ms=250\n" \
-              "  phases: live_mib=96 rounds=6 period_ms=400 min_kib=16 max_kib=64 workers=2\n"
+              "  phases: live_mib=96 rounds=6 period_ms=400 min_kib=16 max_kib=64 workers=2\n" \
+              "  spikes: spike_mib=64 spike_ms=2000 hold_ms=100\n"
 
 /* ---- time, random numbers, counters ------------------------------------------- */
 static double now(void) {
@@ -128,7 +138,8 @@ static struct {
   long n_min, n_max, size;                       /* burst */
   long threads, kib, sleep_min_ms, sleep_max_ms; /* idle-threads */
   long live_mib, rounds, period_ms, min_kib, max_kib, workers; /* phases */
-} P = {42, 2500, 4000, 64, 32, 256, 50, 250, 96, 6, 400, 16, 64, 2};
+  long spike_mib, spike_ms, hold_ms;             /* spikes */
+} P = {42, 2500, 4000, 64, 32, 256, 50, 250, 96, 6, 400, 16, 64, 2, 64, 2000, 100};
 
 static int set_param(const char* kv) {
   const char* eq = strchr(kv, '=');
@@ -141,6 +152,7 @@ static int set_param(const char* kv) {
 #define KEY(name) if (k == strlen(#name) && !strncmp(kv, #name, k)) { P.name = v; return 0; }
   KEY(n_min) KEY(n_max) KEY(size) KEY(threads) KEY(kib) KEY(sleep_min_ms) KEY(sleep_max_ms)
   KEY(live_mib) KEY(rounds) KEY(period_ms) KEY(min_kib) KEY(max_kib) KEY(workers)
+  KEY(spike_mib) KEY(spike_ms) KEY(hold_ms)
 #undef KEY
   return -1;
 }
@@ -289,6 +301,41 @@ static void* phases_main(void* arg) {
   return NULL;
 }
 
+/* ---- spikes ---------------------------------------------------------------------
+ * One thread: every spike_ms a spike of spike_mib MiB in 1..8 KiB blocks,
+ * allocated, written, held hold_ms, freed; idle until the next. */
+static void* spikes_main(void* arg) {
+  (void)arg;
+  counter_t* c = &counters[0];
+  const size_t total = (size_t)P.spike_mib << 20;
+  const size_t slots = total / 1024 + 1;
+  void** v = xmalloc(slots * sizeof *v);
+  double at = now();
+  for (uint64_t k = 0; !atomic_load_explicit(&stop, memory_order_relaxed); k++) {
+    uint64_t s = seed_of(P.seed, k + 1);
+    double c0 = cpu_now();
+    size_t n = 0, live = 0;
+    while (live < total && n < slots) {
+      size_t size = 1024 + (rng(&s) % 7169 & ~(size_t)15);
+      v[n] = xmalloc(size);
+      touch(v[n], size, n);
+      live += size;
+      n++;
+    }
+    double busy = cpu_now() - c0;
+    sleep_s(P.hold_ms / 1000.0);
+    c0 = cpu_now();
+    for (size_t i = 0; i < n; i++) free(v[i]);
+    account(c, 2 * n, busy + cpu_now() - c0);
+    at += P.spike_ms / 1000.0;
+    while (!atomic_load_explicit(&stop, memory_order_relaxed) && now() < at)
+      sleep_s(at - now() < 0.05 ? at - now() : 0.05);
+    if (now() > at) at = now();   /* a spike that overran: the next at once */
+  }
+  free(v);
+  return NULL;
+}
+
 /* ---- main ------------------------------------------------------------------------- */
 static void report(double t, int done, const char* mode) {
   uint64_t ops = 0, busy = 0;
@@ -349,6 +396,13 @@ int main(int argc, char** argv) {
     nworkers = (int)P.workers;
     if (P.live_mib < 1 || P.min_kib < 1 || P.max_kib < P.min_kib || P.period_ms < 1 || nworkers < 1 || nworkers > MAX_THREADS) {
       fprintf(stderr, "learn_workload: need live_mib >= 1, 1 <= min_kib <= max_kib, period_ms >= 1, 1 <= workers <= %d\n", MAX_THREADS);
+      return 2;
+    }
+  } else if (!strcmp(mode, "spikes")) {
+    fn = spikes_main;
+    nworkers = 1;
+    if (P.spike_mib < 1 || P.spike_ms < 1) {
+      fprintf(stderr, "learn_workload: need spike_mib >= 1, spike_ms >= 1\n");
       return 2;
     }
   } else {

@@ -128,3 +128,29 @@ def drive_started(lrn, sim, ctx, n):
         return drive(lrn, sim, ctx, n)
     finally:
         lrn.start = start
+
+
+def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
+    """The replay ranks two policies within its margin of each other: the
+    first is confirmed, and the second is tried against it too (here it is
+    the better one live), then the search settles."""
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    good = ctx.clamp(with_hot(ctx.default, 512, 1024))
+    better = ctx.clamp(with_hot(ctx.default, 512, 2048))
+    far = ctx.clamp(with_hot(ctx.default, 512, 512))
+    assert sim.truth(better)["cost"] < 0.95 * sim.truth(good)["cost"] < sim.truth(ctx.default)["cost"]
+    ranked_ = [Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("better", better, 0.505, 0.005, 0, 0),
+               Ranked("far", far, 0.60, 0.005, 0, 0), Ranked("default", ctx.clamp(ctx.default), 1.0, 0.005, 0, 0)]
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    lrn.screened(ranked_)
+    decisions, _, _ = drive_started(lrn, sim, ctx, 40)
+    kinds = [(d.kind, d.knobs) for _, d in decisions]
+    assert kinds[0][0] == "explore" and same(kinds[0][1], good)
+    assert kinds[1][0] == "accept" and "trying them too" in decisions[1][1].reason
+    assert kinds[2][0] == "explore" and same(kinds[2][1], better)
+    assert kinds[3][0] == "accept" and "settled" in decisions[3][1].reason
+    assert len(decisions) == 4, "far is dearer in the replay beyond the margin: never tried"
+    assert same(lrn.incumbent()[0], better) and lrn.state() == "settled"

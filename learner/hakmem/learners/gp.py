@@ -68,6 +68,8 @@ class _Cand:
     knobs: Knobs
     evidence: float = 0.0
     why: str = ""
+    cost: float = 0.0       # a screened candidate's replay cost and its spread
+    spread: float = 0.0
 
 
 class GPLearner(Reporting):
@@ -110,7 +112,8 @@ class GPLearner(Reporting):
         self._screen: str | list | None = None
         self._screen_wait = 0
         self._screen_note = ""
-        self._screen_trial = False
+        self._screen_trial: _Cand | None = None
+        self._screen_won = False
         self._reset_search()
         return first
 
@@ -139,7 +142,8 @@ class GPLearner(Reporting):
                     continue
                 k = self.ctx.clamp(r.knobs)
                 queue.append(_Cand(x=np.zeros(0), knobs=k, why=f"replay: {r.label} {_pct(rel)} vs incumbent, "
-                                                               f"#{i + 1} of {len(ranked)}"))
+                                                               f"#{i + 1} of {len(ranked)}",
+                                   cost=float(r.cost), spread=float(r.spread)))
                 if len(queue) >= self.p.screen_trials:
                     break
         self._screen_note = (why or "the replay ranks nothing cheaper than the incumbent beyond its spread") \
@@ -403,7 +407,7 @@ class GPLearner(Reporting):
         self._need = self.p.remeasure_windows if self._trials % self.p.remeasure_every == 0 else 1
         _push(self._pending, [ev])
         change = f"cost {_pct(diff / inc)} vs incumbent (noise {rel * 100:.1f}%)"
-        screened, self._screen_trial = self._screen_trial, False
+        screened, self._screen_trial = self._screen_trial, None
         if verdict == "accepted":
             self._scale += math.log(max(t.mean, 1e-300) / inc)
             self._inc, self._inc_x = t.knobs, t.x
@@ -413,15 +417,24 @@ class GPLearner(Reporting):
             self._fails_at_min = 0
             self._flat = 0
             self._tabu.clear()
-            if screened:
-                # The replay ranked every candidate after this one dearer: the
-                # search is over, and the settled phase costs nothing.
+            if screened is not None:
+                self._screen_won = True
+                # The candidates the replay cannot tell from this one (within
+                # the margin and their spreads) are confirmed online too; the
+                # replay ranked the rest dearer: the search is over, and the
+                # settled phase costs nothing.
+                ties = [q for q in (self._screen if isinstance(self._screen, list) else [])
+                        if q.cost <= screened.cost * (1 + max(self.p.screen_margin, screened.spread, q.spread))]
+                if ties:
+                    self._screen = ties
+                    return Decision(t.knobs, "accept", f"accept: {change}; the replay cannot tell {len(ties)} "
+                                                       f"other candidates from it: trying them too", self._take())
                 self._screen = "done"
                 self._settle()
                 return Decision(t.knobs, "accept", f"accept: {change}; the replay's best confirmed, settled",
                                 self._take())
             return Decision(t.knobs, "accept", f"accept: {change}", self._take())
-        if screened:
+        if screened is not None:
             self._tabu.add(digest(t.knobs))
             self._inc_seg = _Run(self._inc)
             word = "roll back" if verdict == "rolled_back" else "reject (within noise), back to incumbent"
@@ -459,13 +472,16 @@ class GPLearner(Reporting):
             if self._screen:
                 c = self._screen.pop(0)
                 c.x = self._space.from_knobs(c.knobs)
-                self._screen_trial = True
+                self._screen_trial = c
                 self._close_segment(self._inc_seg)
                 self._inc_seg = _Run(self._inc)
                 self._trial = _Run(c.knobs, c.x, self._radius)
                 parts = self._space.describe(c.knobs, self._inc) or ["a policy outside the search's dimensions"]
                 return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [screened; {c.why}]", self._take())
             self._screen = "done"
+            if self._screen_won:
+                self._settle()
+                return None
             self._screen_note = "no screened candidate confirmed online"
         cands = self._candidates()
         while not cands and self._radius > self.p.radius_min + 1e-9:

@@ -11,7 +11,7 @@ temporary directory, a unix socket there, no TCP for redis, a telemetry
 directory of its own under /dev/shm) and is stopped at the end, on an error
 or on Ctrl-C.
 
-    tools/demo_redis.py [--build build] [--seconds 60] [--keep]
+    tools/demo_redis.py [--build build] [--seconds 60] [--rounds 2] [--keep]
 """
 import argparse
 import json
@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,14 +73,14 @@ def rss_kib(pid):
 
 
 class Demo:
-    def __init__(self, build, seconds, keep):
+    def __init__(self, build, seconds, keep, rounds=2):
         self.lib = (build / "libhakmem.so").resolve()
         if not self.lib.exists():
             raise DemoError(f"{self.lib} missing: run `make lib`")
         for tool in (REDIS, BENCH):
             if not os.path.exists(tool):
                 raise DemoError(f"{tool} missing: run `tools/install-deps.sh redis`")
-        self.seconds, self.keep = seconds, keep
+        self.seconds, self.keep, self.rounds = seconds, keep, rounds
         self.work = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-demo-", dir="/tmp"))
         self.shm = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-demo-", dir="/dev/shm"))
         self.state = self.work / "state"
@@ -307,14 +308,14 @@ class Demo:
         header("redis under redis-benchmark: the default policy vs the learned one")
         say("learnd restarted with --no-explore: a new redis-server gets the best stored policy at once.")
         say("Default: a redis-server whose telemetry directory has no learnd (hakmem keeps its default policy).")
-        say("A fresh redis-server per run, alternating, two rounds: the machine's noise shows in the rounds.")
+        say(f"A fresh redis-server per run, alternating, {self.rounds} rounds: the machine's noise shows in the rounds.")
         self.stop_redis()
         self.stop_learnd()
         self.start_learnd("--no-explore")
         nolearnd = self.work / "no-learnd"
         nolearnd.mkdir()
         runs = {"default": [], "learned": []}
-        for rnd in (1, 2):
+        for rnd in range(1, self.rounds + 1):
             for which in ("default", "learned"):
                 sock = self.start_redis(nolearnd if which == "default" else None)
                 note = ""
@@ -328,17 +329,23 @@ class Demo:
                     f"resident {rss / 1024:.0f} MiB{note}")
         self.stop_learnd()
 
-        def mean(which, test):
+        def mid(which, test):
+            return statistics.median(rows.get(test, (0.0, 0))[0] for rows, _ in runs[which])
+
+        def spread(which, test):
             v = [rows.get(test, (0.0, 0))[0] for rows, _ in runs[which]]
-            return sum(v) / len(v)
+            m = statistics.median(v)
+            return (max(v) - min(v)) / m if m else 0.0
         say()
-        say(f"{'mean of 2':<9} {'default req/s':>14} {'learned req/s':>14} {'change':>8}")
+        say(f"{'median of ' + str(self.rounds):<12} {'default req/s':>14} {'learned req/s':>14} {'change':>8}  "
+            f"{'spread (default, learned)':>26}")
         for t in runs["default"][0][0]:
-            r0, r1 = mean("default", t), mean("learned", t)
-            say(f"{t:<9} {r0:>14,.0f} {r1:>14,.0f} {(r1 / r0 - 1) * 100 if r0 else 0:>+7.1f}%")
-        m0 = sum(r for _, r in runs["default"]) / 2
-        m1 = sum(r for _, r in runs["learned"]) / 2
-        say(f"{'resident':<9} {m0 / 1024:>10.0f} MiB {m1 / 1024:>10.0f} MiB {(m1 / m0 - 1) * 100 if m0 else 0:>+7.1f}%")
+            r0, r1 = mid("default", t), mid("learned", t)
+            say(f"{t:<12} {r0:>14,.0f} {r1:>14,.0f} {(r1 / r0 - 1) * 100 if r0 else 0:>+7.1f}%  "
+                f"{spread('default', t) * 100:>12.0f}%, {spread('learned', t) * 100:.0f}%")
+        m0 = statistics.median(r for _, r in runs["default"])
+        m1 = statistics.median(r for _, r in runs["learned"])
+        say(f"{'resident':<12} {m0 / 1024:>10.0f} MiB {m1 / 1024:>10.0f} MiB {(m1 / m0 - 1) * 100 if m0 else 0:>+7.1f}%")
 
     def wait_applied(self, timeout=60):
         """The snapshot version redis applied, once learnd has found it and
@@ -367,11 +374,14 @@ def main(argv=None):
     ap.add_argument("--build", default="build", help="the build directory holding libhakmem.so (default build)")
     ap.add_argument("--seconds", type=int, default=60, help="how long learnd tunes redis (default 60)")
     ap.add_argument("--keep", action="store_true", help="keep the demo's directory (database, logs)")
+    ap.add_argument("--rounds", type=int, default=2, help="default/learned rounds compared at the end (default 2)")
     args = ap.parse_args(argv)
     if args.seconds < 5:
         ap.error("--seconds must be at least 5")
+    if not 1 <= args.rounds <= 50:
+        ap.error("--rounds must be between 1 and 50")
     try:
-        demo = Demo(pathlib.Path(args.build), args.seconds, args.keep)
+        demo = Demo(pathlib.Path(args.build), args.seconds, args.keep, args.rounds)
     except DemoError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 1

@@ -18,11 +18,13 @@
 /* ---- fast paths ----------------------------------------------------------------
  * malloc of a small size runs 19 instructions (callgrind) with two tests:
  * the class lookup, the TLS bin, load head, test, count down (sets the
- * flags), test, load next, store head, count-1. free runs 33: map byte,
- * page class, block-start test (a multiply), capacity and
- * adjacent-double-free tests, push. Class 0 (huge sizes, pages without a
- * slab) has an empty bin with capacity 0, so those cases reach the slow
- * paths through the same tests.
+ * flags), test, load next, store head, room+1. free runs 30: map byte,
+ * page class, block-start test (a multiply, with the class's constants on
+ * the bin's own line), adjacent-double-free test, room-1 (sets the flags),
+ * test, push. A malloc+free pair is 59 with bench/callgrind.sh's loop and
+ * PLT jumps (10). Class 0 (huge sizes, pages without a slab) has an empty
+ * bin with block-start limit 0, so those cases reach the slow paths
+ * through the same tests.
  */
 /* A block from this thread's bin, or NULL when the bin is empty or its
  * check-in is due (a countdown that reaches below zero counts nothing). */
@@ -30,7 +32,7 @@ HK_INLINE void* bin_pop(hk_bin_t* bin) {
   void* p = bin->head;
   if (HK_UNLIKELY(p == NULL || --bin->left < 0)) return NULL;
   bin->head = *(void**)p;
-  bin->count--;
+  bin->room++;
   HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);
   return p;
 }
@@ -50,15 +52,17 @@ HK_INLINE void free_fast(void* p) {
   unsigned cls = seg->page_class[page];
   hk_bin_t* bin = &_hk_tc.bin[cls];
   uint64_t off = in_seg - seg->page_start[page];
-  if (HK_UNLIKELY(off * _hk_div[cls].magic >= _hk_div[cls].limit || bin->count >= bin->cap ||
-                  p == bin->head)) {
+  if (HK_UNLIKELY(off * bin->magic >= bin->limit || p == bin->head)) {
+    _hk_free_slow(p);
+    return;
+  }
+  if (HK_UNLIKELY(--bin->room < 0)) {   /* full: _hk_free_slow undoes this and drains */
     _hk_free_slow(p);
     return;
   }
   HK_VG_FREE(p);
   *(void**)p = bin->head;
   bin->head = p;
-  bin->count++;
 }
 
 /* ---- slow paths ---------------------------------------------------------------- */
@@ -139,8 +143,8 @@ static void maybe_gc(hk_tcache_t* tc) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_bin_t* bin = &tc->bin[cls];
     uint64_t allocs = _hk_bin_allocs(bin);
-    if (bin->count && allocs == tc->gc_allocs[cls]) {
-      _hk_drain(tc, cls, bin->count);
+    if (_hk_bin_count(bin) && allocs == tc->gc_allocs[cls]) {
+      _hk_drain(tc, cls, _hk_bin_count(bin));
       bin->fill = 0;   /* back to a slow start */
     }
     tc->gc_allocs[cls] = allocs;
@@ -148,19 +152,19 @@ static void maybe_gc(hk_tcache_t* tc) {
 }
 
 /* ---- capture traps (trace.h) -----------------------------------------------------
- * While a capture is on, a thread's bins keep capacity 0 (every free takes
- * the slow path) and, outside SAMPLED, a countdown far below zero (every
- * allocation does): the fast paths stay as they are, not one instruction
- * more. The real capacity and countdown wait in _hk_trace_tls and are put
- * back around the real work, so the policy in force still governs. A
+ * While a capture is on, a thread's bins keep a block-start limit of 0
+ * (every free fails the test and takes the slow path) and, outside
+ * SAMPLED, a countdown far below zero (every allocation does): the fast
+ * paths stay as they are, not one instruction more. The real limit comes
+ * back from _hk_div, the real countdown waits in _hk_trace_tls; both are
+ * put back around the real work, so the policy in force still governs. A
  * trapped countdown keeps the blocks counted exact: mark loses what `left`
  * still had to count, and gets it back. */
 #define TRAP_LEFT (INT32_MIN / 2)
 
 static void trap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
   hk_trace_tls_t* t = &_hk_trace_tls;
-  t->cap[cls] = bin->cap;
-  bin->cap = 0;
+  bin->limit = 0;
   if (how == HK_TRAP_ALL) {
     t->left[cls] = bin->left;
     if (bin->left > 0) bin->mark -= (uint64_t)bin->left;
@@ -170,27 +174,20 @@ static void trap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
 
 static void untrap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
   hk_trace_tls_t* t = &_hk_trace_tls;
-  bin->cap = t->cap[cls];
+  bin->limit = _hk_div[cls].limit;
   if (how == HK_TRAP_ALL) {
     bin->left = t->left[cls];
     if (bin->left > 0) bin->mark += (uint64_t)bin->left;
   }
 }
 
-/* After tcache_slow: trap or untrap the whole cache as the capture wants,
- * and trap again the capacities a new policy just wrote. Returns how the
+/* After tcache_slow: trap or untrap the whole cache as the capture wants
+ * (a new policy writes capacities, which no trap touches). Returns how the
  * bins are trapped now. */
-static unsigned trace_sync(hk_tcache_t* tc, uint64_t version_before) {
+static unsigned trace_sync(hk_tcache_t* tc) {
   hk_trace_tls_t* t = &_hk_trace_tls;
   unsigned want = _hk_trace_trap_wanted(tc->state == HK_TC_ACTIVE);
-  if (HK_LIKELY(t->trapped == want)) {
-    if (want && tc->policy_version != version_before)
-      for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-        t->cap[cls] = tc->bin[cls].cap;
-        tc->bin[cls].cap = 0;
-      }
-    return want;
-  }
+  if (HK_LIKELY(t->trapped == want)) return want;
   if (t->trapped)
     for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) untrap_bin(&tc->bin[cls], cls, t->trapped);
   if (want)
@@ -222,9 +219,8 @@ HK_INLINE void* alloc_small(hk_tcache_t* tc, unsigned cls) {
 
 /* _hk_malloc_slow while a capture is on, or after it for a trapped thread. */
 static HK_NOINLINE void* malloc_traced(unsigned cls) {
-  uint64_t version = _hk_tc.policy_version;
   hk_tcache_t* tc = tcache_slow();
-  unsigned how = trace_sync(tc, version);
+  unsigned how = trace_sync(tc);
   hk_bin_t* bin = &tc->bin[cls];
   if (how) untrap_bin(bin, cls, how);
   bool cached = tc->state == HK_TC_ACTIVE && bin->cap != 0;
@@ -316,28 +312,27 @@ HK_INLINE void free_small(hk_tcache_t* tc, void* p, hk_segment_t* seg, unsigned 
     if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());
     return;
   }
-  if (bin->count >= bin->cap) {
+  if (bin->room <= 0) {
     uint32_t n = bin->batch;
-    if (n < bin->count - bin->cap + 1) n = bin->count - bin->cap + 1;
+    if (n < (uint32_t)(1 - bin->room)) n = (uint32_t)(1 - bin->room);
     _hk_drain(tc, cls, n);
   }
   *(void**)p = bin->head;
   bin->head = p;
-  bin->count++;
+  bin->room--;
   maybe_gc(tc);
 }
 
 static HK_NOINLINE void free_traced(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
-  uint64_t version = _hk_tc.policy_version;
   hk_tcache_t* tc = tcache_slow();
-  unsigned how = trace_sync(tc, version);
+  unsigned how = trace_sync(tc);
   hk_bin_t* bin = &tc->bin[cls];
   if (how) untrap_bin(bin, cls, how);
-  if (tc->state == HK_TC_ACTIVE && bin->count < bin->cap && p != bin->head) {
+  if (tc->state == HK_TC_ACTIVE && bin->room > 0 && p != bin->head) {
     HK_VG_FREE(p);   /* what the fast path would have done */
     *(void**)p = bin->head;
     bin->head = p;
-    bin->count++;
+    bin->room--;
   } else {
     free_small(tc, p, seg, page, cls);
   }
@@ -354,6 +349,12 @@ HK_NOINLINE void _hk_free_slow(void* p) {
   hk_segment_t* seg;
   unsigned page;
   unsigned cls = owner_or_die(p, &seg, &page);
+  /* free_fast counts the room down before it knows the bin is full (one
+   * instruction fewer than testing first): when it ran out, that is the
+   * one decrement to undo, and the room is >= 0 again for everyone else. */
+  hk_bin_t* bin = &_hk_tc.bin[cls];
+  if (bin->room < 0) bin->room++;
+  HK_ASSERT(bin->room >= 0);
   if (HK_UNLIKELY(_hk_trace_on || _hk_trace_tls.trapped)) { free_traced(p, seg, page, cls); return; }
   free_small(tcache_slow(), p, seg, page, cls);
 }

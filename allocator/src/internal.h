@@ -85,11 +85,10 @@ extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
 extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
 /* Per class, for the block-start test (0 for class 0): ceil(2^64 / size),
- * and the bound the product must stay under (see _hk_is_block_start). 32
- * bytes a class, the stride of a thread-cache bin, so free() indexes both
- * with the one shifted class number it computes anyway. */
+ * and the bound the product must stay under (see _hk_is_block_start).
+ * Each thread's bins carry a copy for free()'s fast path (types.h). */
 typedef struct hk_div_s {
-  uint64_t magic, limit, _pad[2];
+  uint64_t magic, limit;
 } hk_div_t;
 extern hk_div_t _hk_div[HK_NUM_CLASSES];
 extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
@@ -129,6 +128,10 @@ HK_INLINE unsigned _hk_class_of(size_t n) {
 }
 
 /* ---- thread-cache bins ---------------------------------------------------------- */
+/* Blocks in the bin's list (types.h: the room left is what is kept). */
+HK_INLINE uint32_t _hk_bin_count(const hk_bin_t* bin) {
+  return (uint32_t)((int64_t)bin->cap - bin->room);
+}
 /* Blocks this bin has handed out, exact at any moment (alloc.c "check-in"). */
 HK_INLINE uint64_t _hk_bin_allocs(const hk_bin_t* bin) {
   return bin->mark - (uint64_t)(bin->left > 0 ? bin->left : 0);

@@ -280,7 +280,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   if (HK_UNLIKELY(got == 0)) return NULL;
   void* p = head;
   bin->head = *(void**)p;
-  bin->count = got - 1;
+  bin->room -= (int32_t)(got - 1);   /* the bin was empty */
   bin->left--;   /* counts this block (the caller armed a due countdown) */
   _hk_publish(tc, cls);
   return p;
@@ -289,7 +289,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
 void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   hk_bin_t* bin = &tc->bin[cls];
   hk_central_t* c = &_hk_central[cls];
-  if (n > bin->count) n = bin->count;
+  if (n > _hk_bin_count(bin)) n = _hk_bin_count(bin);
   if (n == 0) return;
   uint64_t t0 = _hk_os_ticks();
   hk_slab_t* release = NULL;
@@ -339,7 +339,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
     _hk_unlock(&c->lock);
   }
   bin->head = b;
-  bin->count -= n;
+  bin->room += (int32_t)n;
   _hk_publish(tc, cls);
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, n);
@@ -349,7 +349,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
 
 void _hk_flush_thread(hk_tcache_t* tc) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++)
-    if (tc->bin[cls].count) _hk_drain(tc, cls, tc->bin[cls].count);
+    if (_hk_bin_count(&tc->bin[cls])) _hk_drain(tc, cls, _hk_bin_count(&tc->bin[cls]));
 }
 
 /* One block without a thread cache: check mode, a cache capacity of 0, or a

@@ -156,14 +156,18 @@ typedef struct hk_class_info_s {
 } hk_class_info_t;
 
 /* ---- thread cache ----------------------------------------------------------
- * The whole fast path: pop/push on bin[cls].head. Invariant:
- *   count == length of the list at head, count <= cap (after every free).
- * Bin 0 is a sentinel: cap 0, head NULL, so a free of a page without a class
- * (segment header, unused page) and a malloc of class 0 go to the slow path.
+ * The whole fast path: pop/push on bin[cls].head. The list's length is
+ * not kept: free() counts down the room left under the capacity instead
+ * (one decrement and its sign, where count < cap took a load, a compare
+ * and an increment). Invariant, outside free():
+ *   cap - room == length of the list at head (_hk_bin_count), room >= 0.
+ * Bin 0 is a sentinel: cap 0, head NULL, limit 0, so a free of a page
+ * without a class (segment header, unused page) and a malloc of class 0 go
+ * to the slow path.
  */
 typedef struct hk_bin_s {
   void*    head;
-  uint32_t count;
+  int32_t  room;          /* blocks free() may still push: cap - count */
   uint32_t cap;
   int32_t  left;          /* allocations before this bin checks in (alloc.c
                              "check-in"); 0 or below: due at the next one */
@@ -173,9 +177,17 @@ typedef struct hk_bin_s {
                              times does not pull in a whole batch */
   uint64_t mark;          /* allocations counted once `left` reaches 0, so
                              blocks handed out = mark - max(left, 0) */
-} hk_bin_t;
+  /* The class's block-start test (_hk_div), copied here when the thread
+   * cache is set up so that free() finds it on the bin's own cache line.
+   * limit 0 fails every block: free's trap (a new or dead thread, a
+   * capture: alloc.c "capture traps") sends every free to the slow path,
+   * which tests with _hk_div itself. */
+  uint64_t magic;
+  uint64_t limit;
+  uint64_t _pad[2];
+} __attribute__((aligned(64))) hk_bin_t;
 
-_Static_assert(sizeof(hk_bin_t) == 32, "a bin is 32 bytes, the stride free() shares with _hk_div");
+_Static_assert(sizeof(hk_bin_t) == 64, "a bin is one cache line");
 
 enum { HK_TC_NEW = 0, HK_TC_ACTIVE = 1, HK_TC_DEAD = 2 };
 

@@ -18,10 +18,10 @@
 /* ---- fast paths ----------------------------------------------------------------
  * malloc of a small size runs 19 instructions (callgrind) with two tests:
  * the class lookup, the TLS bin, load head, test, count down (sets the
- * flags), test, load next, store head, room+1. free runs 30: map byte,
+ * flags), test, load next, store head, room+1. free runs 29: map byte,
  * page class, block-start test (a multiply, with the class's constants on
  * the bin's own line), adjacent-double-free test, room-1 (sets the flags),
- * test, push. A malloc+free pair is 59 with bench/callgrind.sh's loop and
+ * test, push. A malloc+free pair is 58 with bench/callgrind.sh's loop and
  * PLT jumps (10). Class 0 (huge sizes, pages without a slab) has an empty
  * bin with block-start limit 0, so those cases reach the slow paths
  * through the same tests.

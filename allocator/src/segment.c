@@ -162,7 +162,7 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   s->dirty_old &= ~mask;
   hk_sub_relaxed(&dirty_total, reused);
   for (unsigned i = (unsigned)first; i < (unsigned)first + k; i++) {
-    s->page_start[i] = (uint32_t)first << HK_PAGE_SHIFT;
+    s->page_start[i] = (uint64_t)first << HK_PAGE_SHIFT;
     s->page_class[i] = (uint8_t)cls;
   }
   if (s->free_pages == 0) list_remove(s);

@@ -107,11 +107,12 @@ typedef struct hk_segment_s {
   /* Per page: the class of the slab covering it (0 = none, so the fast free
    * path falls to the slow path through the class-0 sentinel bin), and the
    * offset in the segment of that slab's first page (a byte offset, not a
-   * page number: free() subtracts it as is). Read without locks by free():
+   * page number: free() subtracts it as is, straight from memory, which
+   * takes 64 bits). Read without locks by free():
    * they change only when a slab is carved or released, which a correct
    * program cannot race with a free of a block in that slab. */
   uint8_t   page_class[HK_SEG_PAGES];
-  uint32_t  page_start[HK_SEG_PAGES];
+  uint64_t  page_start[HK_SEG_PAGES];
   hk_slab_t slabs[HK_SEG_PAGES];        /* descriptor at the slab's first page */
   /* Check mode only (HAKMEM_CHECK=1): a bit per block handed out. Lives in
    * the header page, so it costs no memory unless touched. */

@@ -18,10 +18,10 @@
 /* ---- fast paths ----------------------------------------------------------------
  * malloc of a small size runs 19 instructions (callgrind) with two tests:
  * the class lookup, the TLS bin, load head, test, count down (sets the
- * flags), test, load next, store head, room+1. free runs 29: map byte,
+ * flags), test, load next, store head, room+1. free runs 28: map byte,
  * page class, block-start test (a multiply, with the class's constants on
  * the bin's own line), adjacent-double-free test, room-1 (sets the flags),
- * test, push. A malloc+free pair is 58 with bench/callgrind.sh's loop and
+ * test, push. A malloc+free pair is 57 with bench/callgrind.sh's loop and
  * PLT jumps (10). Class 0 (huge sizes, pages without a slab) has an empty
  * bin with block-start limit 0, so those cases reach the slow paths
  * through the same tests.
@@ -49,8 +49,7 @@ HK_INLINE void free_fast(void* p) {
   uintptr_t in_seg = (uintptr_t)p & (HK_SEG_SIZE - 1);
   const hk_segment_t* seg = (const hk_segment_t*)((uintptr_t)p - in_seg);
   unsigned page = (unsigned)(in_seg >> HK_PAGE_SHIFT);
-  unsigned cls = seg->page_class[page];
-  hk_bin_t* bin = &_hk_tc.bin[cls];
+  hk_bin_t* bin = (hk_bin_t*)((char*)_hk_tc.bin + seg->page_bin[page]);
   uint64_t off = in_seg - seg->page_start[page];
   if (HK_UNLIKELY(off * bin->magic >= bin->limit || p == bin->head)) {
     _hk_free_slow(p);
@@ -294,7 +293,7 @@ HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
 static unsigned owner_or_die(void* p, hk_segment_t** seg_out, unsigned* page_out) {
   hk_segment_t* seg = _hk_segment_of(p);
   unsigned page = _hk_page_of(p);
-  unsigned cls = seg->page_class[page];
+  unsigned cls = _hk_page_class(seg, page);
   if (cls == 0) _hk_invalid_free(p, "not inside an allocated slab");
   if (!_hk_is_block_start(seg, page, cls, p)) _hk_invalid_free(p, "not the start of a block");
   *seg_out = seg;
@@ -442,7 +441,7 @@ static HK_NOINLINE void* calloc_slow(size_t n, unsigned cls) {
 static void* realloc_traced(void* p, size_t n);
 
 HK_EXPORT void* malloc(size_t n) {
-  void* p = bin_pop(&_hk_tc.bin[_hk_class_of(n)]);
+  void* p = bin_pop((hk_bin_t*)((char*)_hk_tc.bin + _hk_bin_of(n)));
   return HK_LIKELY(p != NULL) ? p : malloc_slow(n);
 }
 

@@ -9,8 +9,8 @@
 #include "internal.h"
 
 hk_class_info_t _hk_class[HK_NUM_CLASSES];
-uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
-uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+uint16_t _hk_small_bin[HK_SMALL_MAX / 16 + 1];
+uint16_t _hk_medium_bin[HK_MEDIUM_MAX / 128 + 1];
 hk_div_t _hk_div[HK_NUM_CLASSES] __attribute__((aligned(64)));
 uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];
 uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1] HK_SPARSE_BSS;
@@ -77,13 +77,13 @@ void _hk_classes_init(void) {
   for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++) {
     size_t n = i ? (size_t)i * 16 : 1;
     while (_hk_class[cls].size < n) cls++;
-    _hk_small_class[i] = (uint8_t)cls;
+    _hk_small_bin[i] = (uint16_t)HK_BIN_OFF(cls);
   }
   cls = 1;
   for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++) {
     size_t n = i ? (size_t)i * 128 : 1;
     while (_hk_class[cls].size < n) cls++;
-    _hk_medium_class[i] = (uint8_t)cls;
+    _hk_medium_bin[i] = (uint16_t)HK_BIN_OFF(cls);
   }
 }
 
@@ -96,9 +96,9 @@ void _hk_align_tables_build(void) {
   if (hk_load_relaxed(&state) != 0 || !atomic_compare_exchange_strong(&state, &expect, 1)) return;
   for (unsigned k = 0; k < HK_ALIGN_LEVELS; k++) {
     for (unsigned i = 0; i <= HK_SMALL_MAX / 16; i++)
-      _hk_align_small[k][i] = _hk_align_class[k][_hk_small_class[i]];
+      _hk_align_small[k][i] = _hk_align_class[k][_hk_small_bin[i] / sizeof(hk_bin_t)];
     for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++)
-      _hk_align_medium[k][i] = _hk_align_class[k][_hk_medium_class[i]];
+      _hk_align_medium[k][i] = _hk_align_class[k][_hk_medium_bin[i] / sizeof(hk_bin_t)];
   }
   atomic_store(&state, 2);
 }

@@ -82,8 +82,9 @@ extern __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
 extern uint8_t _hk_map[HK_MAP_ENTRIES];
 extern hk_central_t _hk_central[HK_NUM_CLASSES];
 extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
-extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
-extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+/* By size, the class as its bin's offset, HK_BIN_OFF(cls) (_hk_bin_of). */
+extern uint16_t _hk_small_bin[HK_SMALL_MAX / 16 + 1];
+extern uint16_t _hk_medium_bin[HK_MEDIUM_MAX / 128 + 1];
 /* Per class, for the block-start test (0 for class 0): ceil(2^64 / size),
  * and the bound the product must stay under (see _hk_is_block_start).
  * Each thread's bins carry a copy for free()'s fast path (types.h). */
@@ -116,16 +117,21 @@ extern hk_proc_counters_t _hk_proc;
  * Sizes 16..128 step 16, then four classes per doubling up to 1 MiB:
  * (5,6,7,8) << (b-2) for 2^b < size <= 2^(b+1). Waste per class <= 25%.
  */
-HK_INLINE unsigned _hk_class_of(size_t n) {
-  if (HK_LIKELY(n <= HK_SMALL_MAX)) return _hk_small_class[(n + 15) >> 4];
+/* The class of size n as the offset of its bin in a thread cache,
+ * HK_BIN_OFF(cls): what malloc's fast path adds to the cache's address
+ * (no scaling). 0 (class 0) for huge sizes. */
+HK_INLINE unsigned _hk_bin_of(size_t n) {
+  if (HK_LIKELY(n <= HK_SMALL_MAX)) return _hk_small_bin[(n + 15) >> 4];
   /* Class sizes above 1 KiB are multiples of 256, so 128-byte steps map
    * every size to its class exactly. */
-  if (HK_LIKELY(n <= HK_MEDIUM_MAX)) return _hk_medium_class[(n + 127) >> 7];
+  if (HK_LIKELY(n <= HK_MEDIUM_MAX)) return _hk_medium_bin[(n + 127) >> 7];
   if (HK_UNLIKELY(n > HK_MAX_CLASS_SIZE)) return 0;
   size_t m = n - 1;
   unsigned b = 63u - (unsigned)__builtin_clzll(m);   /* 2^b <= m < 2^(b+1) */
-  return 9u + (b - 7u) * 4u + (unsigned)(m >> (b - 2)) - 4u;
+  return HK_BIN_OFF(9u + (b - 7u) * 4u + (unsigned)(m >> (b - 2)) - 4u);
 }
+
+HK_INLINE unsigned _hk_class_of(size_t n) { return _hk_bin_of(n) / (unsigned)sizeof(hk_bin_t); }
 
 /* ---- thread-cache bins ---------------------------------------------------------- */
 /* Blocks in the bin's list (types.h: the room left is what is kept). */
@@ -157,6 +163,10 @@ HK_INLINE hk_segment_t* _hk_segment_of(const void* p) {
 }
 HK_INLINE unsigned _hk_page_of(const void* p) {
   return (unsigned)(((uintptr_t)p >> HK_PAGE_SHIFT) & (HK_SEG_PAGES - 1));
+}
+/* The class of the slab covering a page (0: none). */
+HK_INLINE unsigned _hk_page_class(const hk_segment_t* seg, unsigned page) {
+  return seg->page_bin[page] / (unsigned)sizeof(hk_bin_t);
 }
 /* Is p the start of one of its slab's blocks? With c = ceil(2^64/d) and
  * off < 2^32, off % d == 0 <=> off*c mod 2^64 < c (Lemire, Kaser, Kurz

@@ -2,11 +2,11 @@
  *
  * SYNCHRONIZATION
  *  1. seg_lock guards the segment list, the reservation cursor, the empty
- *     segment cache, free_pages/page_class/page_start of every segment, and
+ *     segment cache, free_pages/page_bin/page_start of every segment, and
  *     writes to _hk_map.
  *  2. Lock order: a class lock (slab.c) may be held when seg_lock is taken,
  *     never the other way round.
- *  3. free() reads _hk_map and page_class/page_start without a lock. They
+ *  3. free() reads _hk_map and page_bin/page_start without a lock. They
  *     change only when a slab is carved (before any block of it exists) or
  *     released (after every block of it came back), so for a correct program
  *     no free can race with the change; the class locks order the writes
@@ -163,7 +163,7 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   hk_sub_relaxed(&dirty_total, reused);
   for (unsigned i = (unsigned)first; i < (unsigned)first + k; i++) {
     s->page_start[i] = (uint64_t)first << HK_PAGE_SHIFT;
-    s->page_class[i] = (uint8_t)cls;
+    s->page_bin[i] = (uint16_t)HK_BIN_OFF(cls);
   }
   if (s->free_pages == 0) list_remove(s);
   hk_slab_t* slab = &s->slabs[first];
@@ -206,7 +206,7 @@ void _hk_slab_release(hk_slab_t* slab) {
   if (!keep) _hk_os_decommit(slab->start, (size_t)k << HK_PAGE_SHIFT);
   _hk_lock(&seg_lock);
   for (unsigned i = first; i < first + k; i++) {
-    s->page_class[i] = 0;
+    s->page_bin[i] = 0;
     s->page_start[i] = 0;
   }
   slab->state = HK_SLAB_UNUSED;

@@ -152,7 +152,7 @@ static void give_block(hk_central_t* c, unsigned cls, void* b, uint32_t tid,
                        hk_slab_t** release) {
   hk_segment_t* seg = _hk_segment_of(b);
   unsigned page = _hk_page_of(b);
-  if (HK_UNLIKELY(seg->page_class[page] != cls))
+  if (HK_UNLIKELY(_hk_page_class(seg, page) != cls))
     _hk_invalid_free(b, "block of another size class");
   hk_slab_t* s = &seg->slabs[seg->page_start[page] >> HK_PAGE_SHIFT];
   if (HK_UNLIKELY(s->used == 0 || (uint8_t*)b >= s->bump))

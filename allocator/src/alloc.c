@@ -16,26 +16,53 @@
 #include "trace.h"
 
 /* ---- fast paths ----------------------------------------------------------------
- * malloc of a small size runs 19 instructions (callgrind) with two tests:
- * the class lookup, the TLS bin, load head, test, count down (sets the
- * flags), test, load next, store head, room+1. free runs 28: map byte,
- * page class, block-start test (a multiply, with the class's constants on
- * the bin's own line), adjacent-double-free test, room-1 (sets the flags),
- * test, push. A malloc+free pair is 57 with bench/callgrind.sh's loop and
- * PLT jumps (10). Class 0 (huge sizes, pages without a slab) has an empty
- * bin with block-start limit 0, so those cases reach the slow paths
- * through the same tests.
+ * malloc of a small size runs 17 instructions (callgrind) with two tests:
+ * the size table (the class as its bin's offset), the TLS bin (one add),
+ * load head, test, count down (sets the flags), test, load next, store
+ * head, room+1. free runs 26: map byte, page's bin offset, block-start
+ * test (a multiply, with the class's constants on the bin's own line),
+ * adjacent-double-free test, room-1 (sets the flags), test, push. A
+ * malloc+free pair is 53 with bench/callgrind.sh's loop and PLT jumps (10).
+ * Class 0 (huge sizes, pages without a slab) has an empty bin with
+ * block-start limit 0, so those cases reach the slow paths through the same
+ * tests.
  */
-/* A block from this thread's bin, or NULL when the bin is empty or its
- * check-in is due (a countdown that reaches below zero counts nothing). */
-HK_INLINE void* bin_pop(hk_bin_t* bin) {
-  void* p = bin->head;
-  if (HK_UNLIKELY(p == NULL || --bin->left < 0)) return NULL;
-  bin->head = *(void**)p;
-  bin->room++;
-  HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);
-  return p;
+/* ---- the thread cache through %fs ---------------------------------------------
+ * On x86-64 the fast paths reach this thread's bins with %fs-relative
+ * addresses (GCC's __seg_fs): the bin is at %fs:(T + off), where T is
+ * _hk_tc's offset from the thread pointer (initial-exec TLS: one GOT load,
+ * which the asm adds to the table's bin offset) and off is HK_BIN_OFF(cls)
+ * straight from the page or size table. Reaching it as a plain pointer
+ * costs two more instructions (%fs:0 + T + off). A function that reaches
+ * the cache through a plain pointer too (the slow paths) must not also use
+ * these: GCC takes the two address spaces for disjoint. Off x86-64, and in
+ * the valgrind build (whose annotations want the plain bin), TC_AS is
+ * empty and tc_bin a plain pointer. */
+#if defined(__x86_64__) && defined(__SEG_FS) && !HK_VALGRIND
+#define TC_AS __seg_fs
+HK_INLINE TC_AS hk_bin_t* tc_bin(uintptr_t off) {
+  __asm__("addq _hk_tc@gottpoff(%%rip), %0" : "+r"(off) : : "cc");
+  return (TC_AS hk_bin_t*)off;
 }
+#else
+#define TC_AS
+HK_INLINE hk_bin_t* tc_bin(uintptr_t off) { return (hk_bin_t*)((char*)_hk_tc.bin + off); }
+#endif
+
+/* A block from this thread's bin, or NULL when the bin is empty or its
+ * check-in is due (a countdown that reaches below zero counts nothing).
+ * tc_bin_pop takes tc_bin's pointer (the fast paths), bin_pop a plain one. */
+#define DEFINE_BIN_POP(name, AS)                                              \
+  HK_INLINE void* name(AS hk_bin_t* bin) {                                    \
+    void* p = bin->head;                                                      \
+    if (HK_UNLIKELY(p == NULL || --bin->left < 0)) return NULL;               \
+    bin->head = *(void**)p;                                                   \
+    bin->room++;                                                              \
+    HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);                         \
+    return p;                                                                 \
+  }
+DEFINE_BIN_POP(bin_pop, )
+DEFINE_BIN_POP(tc_bin_pop, TC_AS)
 
 HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
   void* p = bin_pop(&_hk_tc.bin[cls]);
@@ -49,7 +76,7 @@ HK_INLINE void free_fast(void* p) {
   uintptr_t in_seg = (uintptr_t)p & (HK_SEG_SIZE - 1);
   const hk_segment_t* seg = (const hk_segment_t*)((uintptr_t)p - in_seg);
   unsigned page = (unsigned)(in_seg >> HK_PAGE_SHIFT);
-  hk_bin_t* bin = (hk_bin_t*)((char*)_hk_tc.bin + seg->page_bin[page]);
+  TC_AS hk_bin_t* bin = tc_bin(seg->page_bin[page]);
   uint64_t off = in_seg - seg->page_start[page];
   if (HK_UNLIKELY(off * bin->magic >= bin->limit || p == bin->head)) {
     _hk_free_slow(p);
@@ -386,7 +413,7 @@ HK_INLINE void* aligned_fast(size_t align, size_t n) {
     else if (HK_LIKELY(m <= HK_MEDIUM_MAX)) cls = _hk_align_medium[k][(m + 127) >> 7];
     else cls = _hk_align_class[k][_hk_class_of(m)];
   }
-  return bin_pop(&_hk_tc.bin[cls]);
+  return tc_bin_pop(tc_bin(HK_BIN_OFF(cls)));
 }
 
 static void* alloc_aligned_real(size_t align, size_t n) {
@@ -441,7 +468,7 @@ static HK_NOINLINE void* calloc_slow(size_t n, unsigned cls) {
 static void* realloc_traced(void* p, size_t n);
 
 HK_EXPORT void* malloc(size_t n) {
-  void* p = bin_pop((hk_bin_t*)((char*)_hk_tc.bin + _hk_bin_of(n)));
+  void* p = tc_bin_pop(tc_bin(_hk_bin_of(n)));
   return HK_LIKELY(p != NULL) ? p : malloc_slow(n);
 }
 
@@ -464,7 +491,7 @@ HK_EXPORT void* calloc(size_t count, size_t size) {
     if (HK_UNLIKELY(_hk_trace_on)) _hk_trace_alloc(HK_OP_CALLOC, n, 0, h);
     return h;
   }
-  void* p = bin_pop(&_hk_tc.bin[cls]);
+  void* p = tc_bin_pop(tc_bin(HK_BIN_OFF(cls)));
   if (HK_UNLIKELY(p == NULL)) p = calloc_slow(n, cls);
   if (HK_LIKELY(p)) memset(p, 0, n);
   return p;

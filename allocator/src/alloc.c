@@ -16,16 +16,16 @@
 #include "trace.h"
 
 /* ---- fast paths ----------------------------------------------------------------
- * malloc of a small size runs 16 instructions (callgrind) with two tests:
- * the size table (the class as its bin's offset), the TLS bin (one add),
- * load head, test, count down (sets the flags), test, load next, store
- * head, room+1. free runs 26: map byte, page's bin offset, block-start
- * test (a multiply, with the class's constants on the bin's own line),
- * adjacent-double-free test, room-1 (sets the flags), test, push. A
- * malloc+free pair is 52 with bench/callgrind.sh's loop and PLT jumps (10).
- * Class 0 (huge sizes, pages without a slab) has an empty bin with
- * block-start limit 0, so those cases reach the slow paths through the same
- * tests.
+ * malloc of a small size runs 14 instructions (callgrind) with two tests:
+ * the size table (indexed by the size, giving the class as its bin's
+ * offset), the TLS bin (one add), load head, test, count down (sets the
+ * flags), test, load next, store head, room+1. free runs 26: map byte,
+ * page's bin offset, block-start test (a multiply, with the class's
+ * constants on the bin's own line), adjacent-double-free test, room-1
+ * (sets the flags), test, push. A malloc+free pair is 50 with
+ * bench/callgrind.sh's loop and PLT jumps (10). Class 0 (huge sizes, pages
+ * without a slab) has an empty bin with block-start limit 0, so those cases
+ * reach the slow paths through the same tests.
  */
 /* ---- the thread cache through %fs ---------------------------------------------
  * On x86-64 the fast paths reach this thread's bins with %fs-relative

@@ -19,13 +19,14 @@
  * malloc of a small size runs 14 instructions (callgrind) with two tests:
  * the size table (indexed by the size, giving the class as its bin's
  * offset), the TLS bin (one add), load head, test, count down (sets the
- * flags), test, load next, store head, room+1. free runs 26: map byte,
- * page's bin offset, block-start test (a multiply, with the class's
- * constants on the bin's own line), adjacent-double-free test, room-1
- * (sets the flags), test, push. A malloc+free pair is 50 with
- * bench/callgrind.sh's loop and PLT jumps (10). Class 0 (huge sizes, pages
- * without a slab) has an empty bin with block-start limit 0, so those cases
- * reach the slow paths through the same tests.
+ * flags), test, load next, store head, room+1. free runs 25: map byte
+ * (whose chunk number, shifted back, is the segment), page's bin offset,
+ * block-start test (a multiply, with the class's constants on the bin's
+ * own line), adjacent-double-free test, room-1 (sets the flags), test,
+ * push. A malloc+free pair is 49 with bench/callgrind.sh's loop and PLT
+ * jumps (10). Class 0 (huge sizes, pages without a slab) has an empty bin
+ * with block-start limit 0, so those cases reach the slow paths through
+ * the same tests.
  */
 /* ---- the thread cache through %fs ---------------------------------------------
  * On x86-64 the fast paths reach this thread's bins with %fs-relative
@@ -41,7 +42,9 @@
 #if defined(__x86_64__) && defined(__SEG_FS) && !HK_VALGRIND
 #define TC_AS __seg_fs
 HK_INLINE TC_AS hk_bin_t* tc_bin(uintptr_t off) {
-  __asm__("addq _hk_tc@gottpoff(%%rip), %0" : "+r"(off) : : "cc");
+  /* In %rdx: where GCC put it itself, free() copied the segment's address
+   * to keep it from the register the offset was loaded into (%rax). */
+  __asm__("addq _hk_tc@gottpoff(%%rip), %0" : "+d"(off) : : "cc");
   return (TC_AS hk_bin_t*)off;
 }
 /* For malloc: the block popped goes straight to %rax, where malloc returns
@@ -78,14 +81,20 @@ HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
 }
 
 HK_INLINE void free_fast(void* p) {
-  if (HK_UNLIKELY(_hk_map_kind(p) != HK_MAP_SEGMENT)) { _hk_free_slow(p); return; }
+  /* _hk_map_kind, spelled out so that the chunk number it looks up gives
+   * the segment too (a shift, where p & ~(HK_SEG_SIZE - 1) took a copy and
+   * a mask). They differ only for a p with bits above the map's 47 set,
+   * which no mapping of the process has (x86-64 user space); for one that
+   * does not fault the map already answered for its 47-bit alias. */
+  uintptr_t chunk = ((uintptr_t)p >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1);
+  if (HK_UNLIKELY(_hk_map[chunk] != HK_MAP_SEGMENT)) { _hk_free_slow(p); return; }
+  const hk_segment_t* seg = (const hk_segment_t*)(chunk << HK_SEG_SHIFT);
   /* _hk_is_block_start, spelled out so that the offset in the segment
-   * gives the segment, the page and the offset in the slab alike. */
+   * gives the page and the offset in the slab alike. */
   uintptr_t in_seg = (uintptr_t)p & (HK_SEG_SIZE - 1);
-  const hk_segment_t* seg = (const hk_segment_t*)((uintptr_t)p - in_seg);
   unsigned page = (unsigned)(in_seg >> HK_PAGE_SHIFT);
-  TC_AS hk_bin_t* bin = tc_bin(seg->page_bin[page]);
   uint64_t off = in_seg - seg->page_start[page];
+  TC_AS hk_bin_t* bin = tc_bin(seg->page_bin[page]);
   if (HK_UNLIKELY(off * bin->magic >= bin->limit || p == bin->head)) {
     _hk_free_slow(p);
     return;

@@ -16,36 +16,42 @@
 #include "trace.h"
 
 /* ---- fast paths ----------------------------------------------------------------
- * malloc of a small size runs 14 instructions (callgrind) with two tests:
- * the size table (indexed by the size, giving the class as its bin's
- * offset), the TLS bin (one add), load head, test, count down (sets the
- * flags), test, load next, store head, room+1. free runs 25: map byte
- * (whose chunk number, shifted back, is the segment), page's bin offset,
- * block-start test (a multiply, with the class's constants on the bin's
- * own line), adjacent-double-free test, room-1 (sets the flags), test,
- * push. A malloc+free pair is 49 with bench/callgrind.sh's loop and PLT
- * jumps (10). Class 0 (huge sizes, pages without a slab) has an empty bin
- * with block-start limit 0, so those cases reach the slow paths through
- * the same tests.
+ * malloc of a small size runs 13 instructions (callgrind) with two tests:
+ * the size table (indexed by the size, giving the bin's TLS offset), load
+ * head, test, count down (sets the flags), test, load next, store head,
+ * room+1. free runs 24: map byte (whose chunk number, shifted back, is the
+ * segment), page's bin, block-start test (a multiply, with the class's
+ * constants on the bin's own line), adjacent-double-free test, room-1
+ * (sets the flags), test, push. A malloc+free pair is 47 with
+ * bench/callgrind.sh's loop and PLT jumps (10). Class 0 (huge sizes, pages
+ * without a slab) has an empty bin with block-start limit 0, so those
+ * cases reach the slow paths through the same tests.
  */
 /* ---- the thread cache through %fs ---------------------------------------------
  * On x86-64 the fast paths reach this thread's bins with %fs-relative
- * addresses (GCC's __seg_fs): the bin is at %fs:(T + off), where T is
- * _hk_tc's offset from the thread pointer (initial-exec TLS: one GOT load,
- * which the asm adds to the table's bin offset) and off is HK_BIN_OFF(cls)
- * straight from the page or size table. Reaching it as a plain pointer
- * costs two more instructions (%fs:0 + T + off). A function that reaches
- * the cache through a plain pointer too (the slow paths) must not also use
- * these: GCC takes the two address spaces for disjoint. Off x86-64, and in
- * the valgrind build (whose annotations want the plain bin), TC_AS is
- * empty and tc_bin a plain pointer. */
-#if defined(__x86_64__) && defined(__SEG_FS) && !HK_VALGRIND
+ * addresses (GCC's __seg_fs). malloc's size tables and a segment's
+ * page_tls give the bin as its TLS offset (internal.h "reaching the thread
+ * cache"): the bin is at %fs:(that), not one instruction to compute. Where
+ * a fast path has the class instead (calloc, the aligned calls, malloc of
+ * a size above 32 KiB or before init), tc_bin adds _hk_tc's offset from
+ * the thread pointer to HK_BIN_OFF(cls): one add from the GOT
+ * (initial-exec TLS). A plain pointer costs more: %fs:0 + offset + class.
+ * A function that reaches the cache through a plain pointer too (the slow
+ * paths) must not also use these: GCC takes the two address spaces for
+ * disjoint. Off x86-64, and in the valgrind build (whose annotations want
+ * the plain bin), TC_AS is empty and the bins plain pointers. */
+#if HK_TC_FS
 #define TC_AS __seg_fs
 HK_INLINE TC_AS hk_bin_t* tc_bin(uintptr_t off) {
   /* In %rdx: where GCC put it itself, free() copied the segment's address
    * to keep it from the register the offset was loaded into (%rax). */
   __asm__("addq _hk_tc@gottpoff(%%rip), %0" : "+d"(off) : : "cc");
   return (TC_AS hk_bin_t*)off;
+}
+HK_INLINE TC_AS hk_bin_t* tc_bin_tls(int32_t tls) {
+  intptr_t a = tls;
+  __asm__("" : "+d"(a));   /* %rdx, as in tc_bin */
+  return (TC_AS hk_bin_t*)a;
 }
 /* For malloc: the block popped goes straight to %rax, where malloc returns
  * it (left to itself GCC loaded it elsewhere and moved it there at the
@@ -54,6 +60,7 @@ HK_INLINE TC_AS hk_bin_t* tc_bin(uintptr_t off) {
 #else
 #define TC_AS
 HK_INLINE hk_bin_t* tc_bin(uintptr_t off) { return (hk_bin_t*)((char*)_hk_tc.bin + off); }
+HK_INLINE hk_bin_t* tc_bin_tls(int32_t tls) { return (hk_bin_t*)((char*)_hk_tc.bin + tls); }
 #define TC_POP_TO_RAX(p) ((void)0)
 #endif
 
@@ -94,7 +101,7 @@ HK_INLINE void free_fast(void* p) {
   uintptr_t in_seg = (uintptr_t)p & (HK_SEG_SIZE - 1);
   unsigned page = (unsigned)(in_seg >> HK_PAGE_SHIFT);
   uint64_t off = in_seg - seg->page_start[page];
-  TC_AS hk_bin_t* bin = tc_bin(seg->page_bin[page]);
+  TC_AS hk_bin_t* bin = tc_bin_tls(seg->page_tls[page]);
   if (HK_UNLIKELY(off * bin->magic >= bin->limit || p == bin->head)) {
     _hk_free_slow(p);
     return;
@@ -338,6 +345,7 @@ static unsigned owner_or_die(void* p, hk_segment_t** seg_out, unsigned* page_out
   hk_segment_t* seg = _hk_segment_of(p);
   unsigned page = _hk_page_of(p);
   unsigned cls = _hk_page_class(seg, page);
+  HK_ASSERT(seg->page_tls[page] == _hk_bin_tls(cls));   /* what free_fast went by */
   if (cls == 0) _hk_invalid_free(p, "not inside an allocated slab");
   if (!_hk_is_block_start(seg, page, cls, p)) _hk_invalid_free(p, "not the start of a block");
   *seg_out = seg;
@@ -484,8 +492,16 @@ static HK_NOINLINE void* calloc_slow(size_t n, unsigned cls) {
 
 static void* realloc_traced(void* p, size_t n);
 
+/* malloc's bin for size n: from the size tables once init filled them
+ * (internal.h), else by class. */
+HK_INLINE TC_AS hk_bin_t* malloc_bin(size_t n) {
+  if (HK_LIKELY(n < _hk_small_end)) return tc_bin_tls(_hk_small_tls[n]);
+  if (HK_LIKELY(n < _hk_medium_end)) return tc_bin_tls(_hk_medium_tls[(n + 127) >> 7]);
+  return tc_bin(HK_BIN_OFF(_hk_class_of(n)));   /* above 32 KiB, or before init: class 0 */
+}
+
 HK_EXPORT void* malloc(size_t n) {
-  void* p = tc_bin_pop_rax(tc_bin(_hk_bin_of(n)));
+  void* p = tc_bin_pop_rax(malloc_bin(n));
   return HK_LIKELY(p != NULL) ? p : malloc_slow(n);
 }
 

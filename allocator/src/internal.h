@@ -82,10 +82,33 @@ extern __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
 extern uint8_t _hk_map[HK_MAP_ENTRIES];
 extern hk_central_t _hk_central[HK_NUM_CLASSES];
 extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
-/* By size, the class as its bin's offset, HK_BIN_OFF(cls) (_hk_bin_of):
- * for every size up to 1 KiB, and by 128-byte steps up to 32 KiB. */
-extern uint16_t _hk_small_bin[HK_SMALL_MAX + 1];
-extern uint16_t _hk_medium_bin[HK_MEDIUM_MAX / 128 + 1];
+extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
+extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+/* ---- reaching the thread cache ---------------------------------------------
+ * On x86-64 the fast paths address this thread's bins relative to %fs (GCC's
+ * __seg_fs; alloc.c "the thread cache through %fs"), and the tables they
+ * read give a bin as its TLS offset: _hk_tc_fs + HK_BIN_OFF(cls), where
+ * _hk_tc_fs is _hk_tc's offset from the thread pointer, the same in every
+ * thread of the process (initial-exec TLS) and never 0 (_hk_tc lies below
+ * the thread pointer). Elsewhere (other targets, the valgrind build, whose
+ * annotations want plain bins) _hk_tc_fs is 0 and a TLS offset is the
+ * bin's offset in _hk_tc. Slow paths use classes, never TLS offsets. */
+#if defined(__x86_64__) && defined(__SEG_FS) && !HK_VALGRIND
+#define HK_TC_FS 1
+#else
+#define HK_TC_FS 0
+#endif
+#define HK_HIDDEN __attribute__((visibility("hidden")))
+extern HK_HIDDEN intptr_t _hk_tc_fs;   /* set first thing at init (classes.c) */
+HK_INLINE int32_t _hk_bin_tls(unsigned cls) { return (int32_t)(_hk_tc_fs + (intptr_t)HK_BIN_OFF(cls)); }
+/* malloc's size tables, in TLS offsets: [n] for n < _hk_small_end, and
+ * [(n + 127) >> 7] for n < _hk_medium_end. The ends stay 0 until the tables
+ * are filled at init (a TLS offset of 0 would be the thread's control
+ * block, not a bin): before, every size takes the plain way. Hidden, so
+ * that malloc compares with an end straight from memory. */
+extern HK_HIDDEN int32_t _hk_small_tls[HK_SMALL_MAX + 1];
+extern HK_HIDDEN int32_t _hk_medium_tls[HK_MEDIUM_MAX / 128 + 1];
+extern HK_HIDDEN size_t _hk_small_end, _hk_medium_end;
 /* Per class, for the block-start test (0 for class 0): ceil(2^64 / size),
  * and the bound the product must stay under (see _hk_is_block_start).
  * Each thread's bins carry a copy for free()'s fast path (types.h). */
@@ -118,23 +141,16 @@ extern hk_proc_counters_t _hk_proc;
  * Sizes 16..128 step 16, then four classes per doubling up to 1 MiB:
  * (5,6,7,8) << (b-2) for 2^b < size <= 2^(b+1). Waste per class <= 25%.
  */
-/* The class of size n as the offset of its bin in a thread cache,
- * HK_BIN_OFF(cls): what malloc's fast path adds to the cache's address
- * (no scaling). 0 (class 0) for huge sizes. */
-HK_INLINE unsigned _hk_bin_of(size_t n) {
-  /* Indexed by the size itself: rounding it up first took two
-   * instructions more (lea, shr) for 2 KiB of table instead of 130 B. */
-  if (HK_LIKELY(n <= HK_SMALL_MAX)) return _hk_small_bin[n];
+HK_INLINE unsigned _hk_class_of(size_t n) {
+  if (HK_LIKELY(n <= HK_SMALL_MAX)) return _hk_small_class[(n + 15) >> 4];
   /* Class sizes above 1 KiB are multiples of 256, so 128-byte steps map
    * every size to its class exactly. */
-  if (HK_LIKELY(n <= HK_MEDIUM_MAX)) return _hk_medium_bin[(n + 127) >> 7];
+  if (HK_LIKELY(n <= HK_MEDIUM_MAX)) return _hk_medium_class[(n + 127) >> 7];
   if (HK_UNLIKELY(n > HK_MAX_CLASS_SIZE)) return 0;
   size_t m = n - 1;
   unsigned b = 63u - (unsigned)__builtin_clzll(m);   /* 2^b <= m < 2^(b+1) */
-  return HK_BIN_OFF(9u + (b - 7u) * 4u + (unsigned)(m >> (b - 2)) - 4u);
+  return 9u + (b - 7u) * 4u + (unsigned)(m >> (b - 2)) - 4u;
 }
-
-HK_INLINE unsigned _hk_class_of(size_t n) { return _hk_bin_of(n) / (unsigned)sizeof(hk_bin_t); }
 
 /* ---- thread-cache bins ---------------------------------------------------------- */
 /* Blocks in the bin's list (types.h: the room left is what is kept). */
@@ -169,7 +185,7 @@ HK_INLINE unsigned _hk_page_of(const void* p) {
 }
 /* The class of the slab covering a page (0: none). */
 HK_INLINE unsigned _hk_page_class(const hk_segment_t* seg, unsigned page) {
-  return seg->page_bin[page] / (unsigned)sizeof(hk_bin_t);
+  return seg->page_class[page];
 }
 /* Is p the start of one of its slab's blocks? With c = ceil(2^64/d) and
  * off < 2^32, off % d == 0 <=> off*c mod 2^64 < c (Lemire, Kaser, Kurz

@@ -104,16 +104,19 @@ typedef struct hk_segment_s {
    * pass, which the next pass gives back. */
   uint64_t  dirty_pages;
   uint64_t  dirty_old;
-  /* Per page: the class of the slab covering it, as the offset of its bin
-   * in a thread cache, HK_BIN_OFF(cls) (0 = none, so the fast free path
-   * falls to the slow path through the class-0 sentinel bin; free() adds it
-   * as is; _hk_page_class gives the class), and the offset in the segment
-   * of that slab's first page (a byte offset, not a page number: free()
-   * subtracts it as is, straight from memory, which takes 64 bits). Read
-   * without locks by free(): they change only when a slab is carved or
-   * released, which a correct program cannot race with a free of a block
-   * in that slab. */
-  uint16_t  page_bin[HK_SEG_PAGES];
+  /* Per page: the class of the slab covering it (0 = none, so the fast free
+   * path falls to the slow path through the class-0 sentinel bin), the
+   * same as its bin's TLS offset, _hk_bin_tls(cls) (internal.h: what
+   * free() reaches the bin by; _hk_bin_tls(0) when none, never 0 itself
+   * where the bins are reached through %fs, so it is set in a new segment
+   * before the map says "segment"), and the offset in the segment of that
+   * slab's first page (a byte offset, not a page number: free() subtracts
+   * it as is, straight from memory, which takes 64 bits). Read without
+   * locks by free(): they change only when a slab is carved or released,
+   * which a correct program cannot race with a free of a block in that
+   * slab. */
+  uint8_t   page_class[HK_SEG_PAGES];
+  int32_t   page_tls[HK_SEG_PAGES];
   uint64_t  page_start[HK_SEG_PAGES];
   hk_slab_t slabs[HK_SEG_PAGES];        /* descriptor at the slab's first page */
   /* Check mode only (HAKMEM_CHECK=1): a bit per block handed out. Lives in
@@ -191,8 +194,8 @@ typedef struct hk_bin_s {
 } __attribute__((aligned(64))) hk_bin_t;
 
 _Static_assert(sizeof(hk_bin_t) == 64, "a bin is one cache line");
-/* Where bin cls lies in a thread cache's bins: what the page and size
- * tables hold, so the fast paths need not scale the class themselves. */
+/* Where bin cls lies in a thread cache's bins (internal.h: _hk_bin_tls,
+ * what the fast paths' tables hold, so they need not scale the class). */
 #define HK_BIN_OFF(cls) ((unsigned)(cls) * (unsigned)sizeof(hk_bin_t))
 
 enum { HK_TC_NEW = 0, HK_TC_ACTIVE = 1, HK_TC_DEAD = 2 };

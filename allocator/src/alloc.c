@@ -175,7 +175,7 @@ HK_INLINE void checkin_arm(hk_tcache_t* tc, hk_bin_t* bin, unsigned cls) {
   if (blocks > CHECKIN_MAX_BLOCKS) blocks = CHECKIN_MAX_BLOCKS;
   uint64_t done = _hk_bin_allocs(bin);
   bin->left = (int32_t)blocks;
-  bin->mark = done + blocks;
+  _hk_bin_cold(bin)->mark = done + blocks;
 }
 
 /* Idle classes give their cached blocks back every drain interval, and idle
@@ -195,7 +195,7 @@ static void maybe_gc(hk_tcache_t* tc) {
     uint64_t allocs = _hk_bin_allocs(bin);
     if (_hk_bin_count(bin) && allocs == tc->gc_allocs[cls]) {
       _hk_drain(tc, cls, _hk_bin_count(bin));
-      bin->fill = 0;   /* back to a slow start */
+      tc->cold[cls].fill = 0;   /* back to a slow start */
     }
     tc->gc_allocs[cls] = allocs;
   }
@@ -217,7 +217,7 @@ static void trap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
   bin->limit = 0;
   if (how == HK_TRAP_ALL) {
     t->left[cls] = bin->left;
-    if (bin->left > 0) bin->mark -= (uint64_t)bin->left;
+    if (bin->left > 0) _hk_bin_cold(bin)->mark -= (uint64_t)bin->left;
     bin->left = TRAP_LEFT;
   }
 }
@@ -227,7 +227,7 @@ static void untrap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
   bin->limit = _hk_div[cls].limit;
   if (how == HK_TRAP_ALL) {
     bin->left = t->left[cls];
-    if (bin->left > 0) bin->mark += (uint64_t)bin->left;
+    if (bin->left > 0) _hk_bin_cold(bin)->mark += (uint64_t)bin->left;
   }
 }
 
@@ -250,7 +250,7 @@ static unsigned trace_sync(hk_tcache_t* tc) {
 HK_INLINE void* alloc_small(hk_tcache_t* tc, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   void* p;
-  if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || bin->cap == 0)) {
+  if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || tc->cold[cls].cap == 0)) {
     p = _hk_alloc_direct(cls);
     if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());   /* check mode, capacity 0 */
   } else {
@@ -273,7 +273,7 @@ static HK_NOINLINE void* malloc_traced(unsigned cls) {
   unsigned how = trace_sync(tc);
   hk_bin_t* bin = &tc->bin[cls];
   if (how) untrap_bin(bin, cls, how);
-  bool cached = tc->state == HK_TC_ACTIVE && bin->cap != 0;
+  bool cached = tc->state == HK_TC_ACTIVE && tc->cold[cls].cap != 0;
   bool due = bin->left <= 0 && cached;
   /* What the fast path would have done, when it would have: the
    * countdown still runs, so check-ins (and telemetry) keep their pace. */
@@ -305,7 +305,7 @@ static HK_NOINLINE void* malloc_traced(unsigned cls) {
     uint64_t blocks = (b / 2 + (x >> 32) % b) / _hk_class[cls].size;
     if (blocks > CHECKIN_MAX_BLOCKS) blocks = CHECKIN_MAX_BLOCKS;
     if (bin->left > 0) {
-      bin->mark = bin->mark - (uint64_t)bin->left + blocks;
+      tc->cold[cls].mark = tc->cold[cls].mark - (uint64_t)bin->left + blocks;
       bin->left = (int32_t)blocks;
     }
   }
@@ -358,13 +358,13 @@ HK_INLINE void free_small(hk_tcache_t* tc, void* p, hk_segment_t* seg, unsigned 
   hk_bin_t* bin = &tc->bin[cls];
   if (p == bin->head) _hk_invalid_free(p, "double free");
   HK_VG_FREE(p);
-  if (tc->state != HK_TC_ACTIVE || bin->cap == 0) {
+  if (tc->state != HK_TC_ACTIVE || tc->cold[cls].cap == 0) {
     _hk_free_direct(p, seg, page, cls);
     if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());
     return;
   }
   if (bin->room <= 0) {
-    uint32_t n = bin->batch;
+    uint32_t n = tc->cold[cls].batch;
     if (n < (uint32_t)(1 - bin->room)) n = (uint32_t)(1 - bin->room);
     _hk_drain(tc, cls, n);
   }

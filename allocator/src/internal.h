@@ -153,13 +153,17 @@ HK_INLINE unsigned _hk_class_of(size_t n) {
 }
 
 /* ---- thread-cache bins ---------------------------------------------------------- */
+/* The slow paths' half of one of this thread's bins (types.h). */
+HK_INLINE hk_bin_cold_t* _hk_bin_cold(const hk_bin_t* bin) {
+  return &_hk_tc.cold[bin - _hk_tc.bin];
+}
 /* Blocks in the bin's list (types.h: the room left is what is kept). */
 HK_INLINE uint32_t _hk_bin_count(const hk_bin_t* bin) {
-  return (uint32_t)((int64_t)bin->cap - bin->room);
+  return (uint32_t)((int64_t)_hk_bin_cold(bin)->cap - bin->room);
 }
 /* Blocks this bin has handed out, exact at any moment (alloc.c "check-in"). */
 HK_INLINE uint64_t _hk_bin_allocs(const hk_bin_t* bin) {
-  return bin->mark - (uint64_t)(bin->left > 0 ? bin->left : 0);
+  return _hk_bin_cold(bin)->mark - (uint64_t)(bin->left > 0 ? bin->left : 0);
 }
 
 /* ---- lock ------------------------------------------------------------------- */

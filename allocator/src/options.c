@@ -249,9 +249,10 @@ void _hk_tcache_apply_policy(hk_tcache_t* tc) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_bin_t* bin = &tc->bin[cls];
     uint32_t count = _hk_bin_count(bin);
-    bin->cap = _hk_check_mode ? 0 : live.tcache_cap[cls];
-    bin->room = (int32_t)bin->cap - (int32_t)count;   /* the count stays */
-    bin->batch = live.tcache_batch[cls];
+    hk_bin_cold_t* cold = &tc->cold[cls];
+    cold->cap = _hk_check_mode ? 0 : live.tcache_cap[cls];
+    bin->room = (int32_t)cold->cap - (int32_t)count;   /* the count stays */
+    cold->batch = live.tcache_batch[cls];
   }
   tc->policy_version = live.version;
   _hk_unlock(&policy_lock);

@@ -265,12 +265,13 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   hk_central_t* c = &_hk_central[cls];
   uint64_t t0 = _hk_os_ticks();
   void* head;
-  uint32_t want = bin->fill;
-  if (want == 0 || want > bin->batch) want = bin->batch < 4 ? bin->batch : 4;
+  hk_bin_cold_t* cold = &tc->cold[cls];
+  uint32_t want = cold->fill;
+  if (want == 0 || want > cold->batch) want = cold->batch < 4 ? cold->batch : 4;
   if (want == 0) want = 1;
-  bin->fill = want * 2 < bin->batch ? want * 2 : bin->batch;
+  cold->fill = want * 2 < cold->batch ? want * 2 : cold->batch;
   _hk_lock(&c->lock);
-  uint32_t got = xfer_take(c, bin->batch, &head);
+  uint32_t got = xfer_take(c, cold->batch, &head);
   if (got == 0) got = take_blocks(c, cls, want, &head, tc->tid);
   _hk_unlock(&c->lock);
   if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, want, &head, tc->tid);
@@ -294,7 +295,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   uint64_t t0 = _hk_os_ticks();
   hk_slab_t* release = NULL;
   void* b = bin->head;
-  if (n > 1 && n <= bin->batch && (uint64_t)n * _hk_class[cls].size <= HK_XFER_BYTES) {
+  if (n > 1 && n <= tc->cold[cls].batch && (uint64_t)n * _hk_class[cls].size <= HK_XFER_BYTES) {
     /* Cut the chain outside the lock, then park it if a slot and the byte
      * bound allow (see "transfer"). */
     void* last = b;

@@ -110,9 +110,9 @@ static void thread_exit(void* arg) {
   _hk_registry_lock();
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_add_relaxed(&_hk_central[cls].c.allocs, _hk_bin_allocs(&tc->bin[cls]));
-    tc->bin[cls].mark = 0;
+    tc->cold[cls].mark = 0;
     tc->bin[cls].left = 0;
-    tc->bin[cls].cap = 0;   /* from now on every call goes the direct way */
+    tc->cold[cls].cap = 0;   /* from now on every call goes the direct way */
     tc->bin[cls].room = 0;  /* flushed: count 0 */
     tc->bin[cls].limit = 0;
   }

@@ -398,7 +398,7 @@ void _hk_trace_thread_exit(hk_tcache_t* tc) {
       bin->limit = _hk_div[cls].limit;
       if (t->trapped == HK_TRAP_ALL) {
         bin->left = t->left[cls];
-        if (bin->left > 0) bin->mark += (uint64_t)bin->left;
+        if (bin->left > 0) tc->cold[cls].mark += (uint64_t)bin->left;
       }
     }
     t->trapped = HK_TRAP_NONE;

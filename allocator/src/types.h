@@ -162,10 +162,13 @@ typedef struct hk_class_info_s {
 } hk_class_info_t;
 
 /* ---- thread cache ----------------------------------------------------------
- * The whole fast path: pop/push on bin[cls].head. The list's length is
- * not kept: free() counts down the room left under the capacity instead
- * (one decrement and its sign, where count < cap took a load, a compare
- * and an increment). Invariant, outside free():
+ * The whole fast path: pop/push on bin[cls].head. A bin holds what the
+ * fast paths touch (32 bytes, two classes to a cache line); what only the
+ * slow paths use is in hk_bin_cold_t, the thread cache's cold[cls]
+ * (_hk_bin_cold). The list's length is not kept: free() counts down the
+ * room left under the capacity instead (one decrement and its sign, where
+ * count < cap took a load, a compare and an increment). Invariant, outside
+ * free():
  *   cap - room == length of the list at head (_hk_bin_count), room >= 0.
  * Bin 0 is a sentinel: cap 0, head NULL, limit 0, so a free of a page
  * without a class (segment header, unused page) and a malloc of class 0 go
@@ -174,26 +177,29 @@ typedef struct hk_class_info_s {
 typedef struct hk_bin_s {
   void*    head;
   int32_t  room;          /* blocks free() may still push: cap - count */
-  uint32_t cap;
   int32_t  left;          /* allocations before this bin checks in (alloc.c
                              "check-in"); 0 or below: due at the next one */
+  /* The class's block-start test (_hk_div), copied here when the thread
+   * cache is set up so that free() finds it beside the bin's head. limit 0
+   * fails every block: free's trap (a new or dead thread, a capture:
+   * alloc.c "capture traps") sends every free to the slow path, which
+   * tests with _hk_div itself. */
+  uint64_t magic;
+  uint64_t limit;
+} hk_bin_t;
+
+_Static_assert(sizeof(hk_bin_t) == 32, "a bin is 32 bytes: two to a cache line");
+
+typedef struct hk_bin_cold_s {
+  uint64_t mark;          /* allocations counted once `left` reaches 0, so
+                             blocks handed out = mark - max(left, 0) */
+  uint32_t cap;
   uint16_t batch;         /* blocks per drain, and most per refill (<= 1024) */
   uint16_t fill;          /* blocks the next refill takes: starts small and
                              doubles up to batch, so a class used a few
                              times does not pull in a whole batch */
-  uint64_t mark;          /* allocations counted once `left` reaches 0, so
-                             blocks handed out = mark - max(left, 0) */
-  /* The class's block-start test (_hk_div), copied here when the thread
-   * cache is set up so that free() finds it on the bin's own cache line.
-   * limit 0 fails every block: free's trap (a new or dead thread, a
-   * capture: alloc.c "capture traps") sends every free to the slow path,
-   * which tests with _hk_div itself. */
-  uint64_t magic;
-  uint64_t limit;
-  uint64_t _pad[2];
-} __attribute__((aligned(64))) hk_bin_t;
+} hk_bin_cold_t;
 
-_Static_assert(sizeof(hk_bin_t) == 64, "a bin is one cache line");
 /* Where bin cls lies in a thread cache's bins (internal.h: _hk_bin_tls,
  * what the fast paths' tables hold, so they need not scale the class). */
 #define HK_BIN_OFF(cls) ((unsigned)(cls) * (unsigned)sizeof(hk_bin_t))
@@ -213,7 +219,8 @@ typedef struct hk_thread_rec_s {
 } hk_thread_rec_t;
 
 typedef struct hk_tcache_s {
-  hk_bin_t  bin[HK_NUM_CLASSES];
+  hk_bin_t  bin[HK_NUM_CLASSES] __attribute__((aligned(64)));
+  hk_bin_cold_t cold[HK_NUM_CLASSES];
   uint64_t  policy_version;     /* version of the policy its caps came from */
   uint64_t  trim_epoch;         /* malloc_trim calls seen (alloc.c) */
   uint64_t  last_gc_ns;         /* last idle-drain pass */

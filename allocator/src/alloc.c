@@ -42,15 +42,15 @@
  * the plain bin), TC_AS is empty and the bins plain pointers. */
 #if HK_TC_FS
 #define TC_AS __seg_fs
+/* Both in %rdx: left to itself, GCC loaded free()'s bin over the register
+ * that held the segment's address, and copied that first. */
 HK_INLINE TC_AS hk_bin_t* tc_bin(uintptr_t off) {
-  /* In %rdx: where GCC put it itself, free() copied the segment's address
-   * to keep it from the register the offset was loaded into (%rax). */
   __asm__("addq _hk_tc@gottpoff(%%rip), %0" : "+d"(off) : : "cc");
   return (TC_AS hk_bin_t*)off;
 }
 HK_INLINE TC_AS hk_bin_t* tc_bin_tls(int32_t tls) {
   intptr_t a = tls;
-  __asm__("" : "+d"(a));   /* %rdx, as in tc_bin */
+  __asm__("" : "+d"(a));
   return (TC_AS hk_bin_t*)a;
 }
 /* For malloc: the block popped goes straight to %rax, where malloc returns
@@ -90,9 +90,11 @@ HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
 HK_INLINE void free_fast(void* p) {
   /* _hk_map_kind, spelled out so that the chunk number it looks up gives
    * the segment too (a shift, where p & ~(HK_SEG_SIZE - 1) took a copy and
-   * a mask). They differ only for a p with bits above the map's 47 set,
-   * which no mapping of the process has (x86-64 user space); for one that
-   * does not fault the map already answered for its 47-bit alias. */
+   * a mask). The two differ only for a p with bits above 47 set, which is
+   * no user-space address (x86-64, 4-level paging): the map, which never
+   * looked at those bits, answers for its 47-bit alias, and free() then
+   * faults writing the link into p as it faulted reading a header at
+   * p & ~mask. Only p and a real bin are ever written. */
   uintptr_t chunk = ((uintptr_t)p >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1);
   if (HK_UNLIKELY(_hk_map[chunk] != HK_MAP_SEGMENT)) { _hk_free_slow(p); return; }
   const hk_segment_t* seg = (const hk_segment_t*)(chunk << HK_SEG_SHIFT);

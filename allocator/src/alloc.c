@@ -16,24 +16,71 @@
 #include "trace.h"
 
 /* ---- fast paths ----------------------------------------------------------------
- * malloc of a small size runs 19 instructions (callgrind) with two tests:
- * the class lookup, the TLS bin, load head, test, count down (sets the
- * flags), test, load next, store head, count-1. free runs 33: map byte,
- * page class, block-start test (a multiply), capacity and
- * adjacent-double-free tests, push. Class 0 (huge sizes, pages without a
- * slab) has an empty bin with capacity 0, so those cases reach the slow
- * paths through the same tests.
+ * malloc of a small size runs 13 instructions (callgrind) with two tests:
+ * the size table (indexed by the size, giving the bin's TLS offset), load
+ * head, test, count down (sets the flags), test, load next, store head,
+ * room+1. free runs 24: map byte (whose chunk number, shifted back, is the
+ * segment), page's bin, block-start test (a multiply, with the class's
+ * constants on the bin's own line), adjacent-double-free test, room-1
+ * (sets the flags), test, push. A malloc+free pair is 47 with
+ * bench/callgrind.sh's loop and PLT jumps (10). Class 0 (huge sizes, pages
+ * without a slab) has an empty bin with block-start limit 0, so those
+ * cases reach the slow paths through the same tests.
  */
-/* A block from this thread's bin, or NULL when the bin is empty or its
- * check-in is due (a countdown that reaches below zero counts nothing). */
-HK_INLINE void* bin_pop(hk_bin_t* bin) {
-  void* p = bin->head;
-  if (HK_UNLIKELY(p == NULL || --bin->left < 0)) return NULL;
-  bin->head = *(void**)p;
-  bin->count--;
-  HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);
-  return p;
+/* ---- the thread cache through %fs ---------------------------------------------
+ * On x86-64 the fast paths reach this thread's bins with %fs-relative
+ * addresses (GCC's __seg_fs). malloc's size tables and a segment's
+ * page_tls give the bin as its TLS offset (internal.h "reaching the thread
+ * cache"): the bin is at %fs:(that), not one instruction to compute. Where
+ * a fast path has the class instead (calloc, the aligned calls, malloc of
+ * a size above 32 KiB or before init), tc_bin adds _hk_tc's offset from
+ * the thread pointer to HK_BIN_OFF(cls): one add from the GOT
+ * (initial-exec TLS). A plain pointer costs more: %fs:0 + offset + class.
+ * A function that reaches the cache through a plain pointer too (the slow
+ * paths) must not also use these: GCC takes the two address spaces for
+ * disjoint. Off x86-64, and in the valgrind build (whose annotations want
+ * the plain bin), TC_AS is empty and the bins plain pointers. */
+#if HK_TC_FS
+#define TC_AS __seg_fs
+/* Both in %rdx: left to itself, GCC loaded free()'s bin over the register
+ * that held the segment's address, and copied that first. */
+HK_INLINE TC_AS hk_bin_t* tc_bin(uintptr_t off) {
+  __asm__("addq _hk_tc@gottpoff(%%rip), %0" : "+d"(off) : : "cc");
+  return (TC_AS hk_bin_t*)off;
 }
+HK_INLINE TC_AS hk_bin_t* tc_bin_tls(int32_t tls) {
+  intptr_t a = tls;
+  __asm__("" : "+d"(a));
+  return (TC_AS hk_bin_t*)a;
+}
+/* For malloc: the block popped goes straight to %rax, where malloc returns
+ * it (left to itself GCC loaded it elsewhere and moved it there at the
+ * end). */
+#define TC_POP_TO_RAX(p) __asm__("" : "+a"(p))
+#else
+#define TC_AS
+HK_INLINE hk_bin_t* tc_bin(uintptr_t off) { return (hk_bin_t*)((char*)_hk_tc.bin + off); }
+HK_INLINE hk_bin_t* tc_bin_tls(int32_t tls) { return (hk_bin_t*)((char*)_hk_tc.bin + tls); }
+#define TC_POP_TO_RAX(p) ((void)0)
+#endif
+
+/* A block from this thread's bin, or NULL when the bin is empty or its
+ * check-in is due (a countdown that reaches below zero counts nothing).
+ * tc_bin_pop takes tc_bin's pointer (the fast paths), bin_pop a plain one. */
+#define DEFINE_BIN_POP(name, AS, PIN)                                         \
+  HK_INLINE void* name(AS hk_bin_t* bin) {                                    \
+    void* p = bin->head;                                                      \
+    PIN(p);                                                                   \
+    if (HK_UNLIKELY(p == NULL || --bin->left < 0)) return NULL;               \
+    bin->head = *(void**)p;                                                   \
+    bin->room++;                                                              \
+    HK_VG_ALLOC(p, _hk_class[bin - _hk_tc.bin].size);                         \
+    return p;                                                                 \
+  }
+#define NO_PIN(p) ((void)0)
+DEFINE_BIN_POP(bin_pop, , NO_PIN)
+DEFINE_BIN_POP(tc_bin_pop, TC_AS, NO_PIN)
+DEFINE_BIN_POP(tc_bin_pop_rax, TC_AS, TC_POP_TO_RAX)
 
 HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
   void* p = bin_pop(&_hk_tc.bin[cls]);
@@ -41,24 +88,33 @@ HK_INLINE void* alloc_cls(unsigned cls, size_t n) {
 }
 
 HK_INLINE void free_fast(void* p) {
-  if (HK_UNLIKELY(_hk_map_kind(p) != HK_MAP_SEGMENT)) { _hk_free_slow(p); return; }
+  /* _hk_map_kind, spelled out so that the chunk number it looks up gives
+   * the segment too (a shift, where p & ~(HK_SEG_SIZE - 1) took a copy and
+   * a mask). The two differ only for a p with bits above 47 set, which is
+   * no user-space address (x86-64, 4-level paging): the map, which never
+   * looked at those bits, answers for its 47-bit alias, and free() then
+   * faults writing the link into p as it faulted reading a header at
+   * p & ~mask. Only p and a real bin are ever written. */
+  uintptr_t chunk = ((uintptr_t)p >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1);
+  if (HK_UNLIKELY(_hk_map[chunk] != HK_MAP_SEGMENT)) { _hk_free_slow(p); return; }
+  const hk_segment_t* seg = (const hk_segment_t*)(chunk << HK_SEG_SHIFT);
   /* _hk_is_block_start, spelled out so that the offset in the segment
-   * gives the segment, the page and the offset in the slab alike. */
+   * gives the page and the offset in the slab alike. */
   uintptr_t in_seg = (uintptr_t)p & (HK_SEG_SIZE - 1);
-  const hk_segment_t* seg = (const hk_segment_t*)((uintptr_t)p - in_seg);
   unsigned page = (unsigned)(in_seg >> HK_PAGE_SHIFT);
-  unsigned cls = seg->page_class[page];
-  hk_bin_t* bin = &_hk_tc.bin[cls];
   uint64_t off = in_seg - seg->page_start[page];
-  if (HK_UNLIKELY(off * _hk_div[cls].magic >= _hk_div[cls].limit || bin->count >= bin->cap ||
-                  p == bin->head)) {
+  TC_AS hk_bin_t* bin = tc_bin_tls(seg->page_tls[page]);
+  if (HK_UNLIKELY(off * bin->magic >= bin->limit || p == bin->head)) {
+    _hk_free_slow(p);
+    return;
+  }
+  if (HK_UNLIKELY(--bin->room < 0)) {   /* full: _hk_free_slow undoes this and drains */
     _hk_free_slow(p);
     return;
   }
   HK_VG_FREE(p);
   *(void**)p = bin->head;
   bin->head = p;
-  bin->count++;
 }
 
 /* ---- slow paths ---------------------------------------------------------------- */
@@ -121,7 +177,7 @@ HK_INLINE void checkin_arm(hk_tcache_t* tc, hk_bin_t* bin, unsigned cls) {
   if (blocks > CHECKIN_MAX_BLOCKS) blocks = CHECKIN_MAX_BLOCKS;
   uint64_t done = _hk_bin_allocs(bin);
   bin->left = (int32_t)blocks;
-  bin->mark = done + blocks;
+  _hk_bin_cold(bin)->mark = done + blocks;
 }
 
 /* Idle classes give their cached blocks back every drain interval, and idle
@@ -139,58 +195,51 @@ static void maybe_gc(hk_tcache_t* tc) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_bin_t* bin = &tc->bin[cls];
     uint64_t allocs = _hk_bin_allocs(bin);
-    if (bin->count && allocs == tc->gc_allocs[cls]) {
-      _hk_drain(tc, cls, bin->count);
-      bin->fill = 0;   /* back to a slow start */
+    if (_hk_bin_count(bin) && allocs == tc->gc_allocs[cls]) {
+      _hk_drain(tc, cls, _hk_bin_count(bin));
+      tc->cold[cls].fill = 0;   /* back to a slow start */
     }
     tc->gc_allocs[cls] = allocs;
   }
 }
 
 /* ---- capture traps (trace.h) -----------------------------------------------------
- * While a capture is on, a thread's bins keep capacity 0 (every free takes
- * the slow path) and, outside SAMPLED, a countdown far below zero (every
- * allocation does): the fast paths stay as they are, not one instruction
- * more. The real capacity and countdown wait in _hk_trace_tls and are put
- * back around the real work, so the policy in force still governs. A
+ * While a capture is on, a thread's bins keep a block-start limit of 0
+ * (every free fails the test and takes the slow path) and, outside
+ * SAMPLED, a countdown far below zero (every allocation does): the fast
+ * paths stay as they are, not one instruction more. The real limit comes
+ * back from _hk_div, the real countdown waits in _hk_trace_tls; both are
+ * put back around the real work, so the policy in force still governs. A
  * trapped countdown keeps the blocks counted exact: mark loses what `left`
  * still had to count, and gets it back. */
 #define TRAP_LEFT (INT32_MIN / 2)
 
 static void trap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
   hk_trace_tls_t* t = &_hk_trace_tls;
-  t->cap[cls] = bin->cap;
-  bin->cap = 0;
+  bin->limit = 0;
   if (how == HK_TRAP_ALL) {
     t->left[cls] = bin->left;
-    if (bin->left > 0) bin->mark -= (uint64_t)bin->left;
+    if (bin->left > 0) _hk_bin_cold(bin)->mark -= (uint64_t)bin->left;
     bin->left = TRAP_LEFT;
   }
 }
 
 static void untrap_bin(hk_bin_t* bin, unsigned cls, unsigned how) {
   hk_trace_tls_t* t = &_hk_trace_tls;
-  bin->cap = t->cap[cls];
+  bin->limit = _hk_div[cls].limit;
   if (how == HK_TRAP_ALL) {
     bin->left = t->left[cls];
-    if (bin->left > 0) bin->mark += (uint64_t)bin->left;
+    if (bin->left > 0) _hk_bin_cold(bin)->mark += (uint64_t)bin->left;
   }
 }
 
-/* After tcache_slow: trap or untrap the whole cache as the capture wants,
- * and trap again the capacities a new policy just wrote. Returns how the
+/* After tcache_slow: trap or untrap the whole cache as the capture wants
+ * (a new policy writes capacities, which no trap touches). Returns how the
  * bins are trapped now. */
-static unsigned trace_sync(hk_tcache_t* tc, uint64_t version_before) {
+static unsigned trace_sync(hk_tcache_t* tc) {
   hk_trace_tls_t* t = &_hk_trace_tls;
   unsigned want = _hk_trace_trap_wanted(tc->state == HK_TC_ACTIVE);
-  if (HK_LIKELY(t->trapped == want)) {
-    if (want && tc->policy_version != version_before)
-      for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-        t->cap[cls] = tc->bin[cls].cap;
-        tc->bin[cls].cap = 0;
-      }
-    return want;
-  }
+  if (HK_LIKELY(t->trapped == want)) return want;
   if (t->trapped)
     for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) untrap_bin(&tc->bin[cls], cls, t->trapped);
   if (want)
@@ -203,7 +252,7 @@ static unsigned trace_sync(hk_tcache_t* tc, uint64_t version_before) {
 HK_INLINE void* alloc_small(hk_tcache_t* tc, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   void* p;
-  if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || bin->cap == 0)) {
+  if (HK_UNLIKELY(tc->state != HK_TC_ACTIVE || tc->cold[cls].cap == 0)) {
     p = _hk_alloc_direct(cls);
     if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());   /* check mode, capacity 0 */
   } else {
@@ -222,12 +271,11 @@ HK_INLINE void* alloc_small(hk_tcache_t* tc, unsigned cls) {
 
 /* _hk_malloc_slow while a capture is on, or after it for a trapped thread. */
 static HK_NOINLINE void* malloc_traced(unsigned cls) {
-  uint64_t version = _hk_tc.policy_version;
   hk_tcache_t* tc = tcache_slow();
-  unsigned how = trace_sync(tc, version);
+  unsigned how = trace_sync(tc);
   hk_bin_t* bin = &tc->bin[cls];
   if (how) untrap_bin(bin, cls, how);
-  bool cached = tc->state == HK_TC_ACTIVE && bin->cap != 0;
+  bool cached = tc->state == HK_TC_ACTIVE && tc->cold[cls].cap != 0;
   bool due = bin->left <= 0 && cached;
   /* What the fast path would have done, when it would have: the
    * countdown still runs, so check-ins (and telemetry) keep their pace. */
@@ -259,7 +307,7 @@ static HK_NOINLINE void* malloc_traced(unsigned cls) {
     uint64_t blocks = (b / 2 + (x >> 32) % b) / _hk_class[cls].size;
     if (blocks > CHECKIN_MAX_BLOCKS) blocks = CHECKIN_MAX_BLOCKS;
     if (bin->left > 0) {
-      bin->mark = bin->mark - (uint64_t)bin->left + blocks;
+      tc->cold[cls].mark = tc->cold[cls].mark - (uint64_t)bin->left + blocks;
       bin->left = (int32_t)blocks;
     }
   }
@@ -298,7 +346,8 @@ HK_NOINLINE void* _hk_malloc_slow(size_t n, unsigned cls) {
 static unsigned owner_or_die(void* p, hk_segment_t** seg_out, unsigned* page_out) {
   hk_segment_t* seg = _hk_segment_of(p);
   unsigned page = _hk_page_of(p);
-  unsigned cls = seg->page_class[page];
+  unsigned cls = _hk_page_class(seg, page);
+  HK_ASSERT(seg->page_tls[page] == _hk_bin_tls(cls));   /* what free_fast went by */
   if (cls == 0) _hk_invalid_free(p, "not inside an allocated slab");
   if (!_hk_is_block_start(seg, page, cls, p)) _hk_invalid_free(p, "not the start of a block");
   *seg_out = seg;
@@ -311,33 +360,32 @@ HK_INLINE void free_small(hk_tcache_t* tc, void* p, hk_segment_t* seg, unsigned 
   hk_bin_t* bin = &tc->bin[cls];
   if (p == bin->head) _hk_invalid_free(p, "double free");
   HK_VG_FREE(p);
-  if (tc->state != HK_TC_ACTIVE || bin->cap == 0) {
+  if (tc->state != HK_TC_ACTIVE || tc->cold[cls].cap == 0) {
     _hk_free_direct(p, seg, page, cls);
     if (_hk_tel_on) _hk_tel_tick(_hk_os_now_coarse_ns());
     return;
   }
-  if (bin->count >= bin->cap) {
-    uint32_t n = bin->batch;
-    if (n < bin->count - bin->cap + 1) n = bin->count - bin->cap + 1;
+  if (bin->room <= 0) {
+    uint32_t n = tc->cold[cls].batch;
+    if (n < (uint32_t)(1 - bin->room)) n = (uint32_t)(1 - bin->room);
     _hk_drain(tc, cls, n);
   }
   *(void**)p = bin->head;
   bin->head = p;
-  bin->count++;
+  bin->room--;
   maybe_gc(tc);
 }
 
 static HK_NOINLINE void free_traced(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
-  uint64_t version = _hk_tc.policy_version;
   hk_tcache_t* tc = tcache_slow();
-  unsigned how = trace_sync(tc, version);
+  unsigned how = trace_sync(tc);
   hk_bin_t* bin = &tc->bin[cls];
   if (how) untrap_bin(bin, cls, how);
-  if (tc->state == HK_TC_ACTIVE && bin->count < bin->cap && p != bin->head) {
+  if (tc->state == HK_TC_ACTIVE && bin->room > 0 && p != bin->head) {
     HK_VG_FREE(p);   /* what the fast path would have done */
     *(void**)p = bin->head;
     bin->head = p;
-    bin->count++;
+    bin->room--;
   } else {
     free_small(tc, p, seg, page, cls);
   }
@@ -354,6 +402,12 @@ HK_NOINLINE void _hk_free_slow(void* p) {
   hk_segment_t* seg;
   unsigned page;
   unsigned cls = owner_or_die(p, &seg, &page);
+  /* free_fast counts the room down before it knows the bin is full (one
+   * instruction fewer than testing first): when it ran out, that is the
+   * one decrement to undo, and the room is >= 0 again for everyone else. */
+  hk_bin_t* bin = &_hk_tc.bin[cls];
+  if (bin->room < 0) bin->room++;
+  HK_ASSERT(bin->room >= 0);
   if (HK_UNLIKELY(_hk_trace_on || _hk_trace_tls.trapped)) { free_traced(p, seg, page, cls); return; }
   free_small(tcache_slow(), p, seg, page, cls);
 }
@@ -386,7 +440,7 @@ HK_INLINE void* aligned_fast(size_t align, size_t n) {
     else if (HK_LIKELY(m <= HK_MEDIUM_MAX)) cls = _hk_align_medium[k][(m + 127) >> 7];
     else cls = _hk_align_class[k][_hk_class_of(m)];
   }
-  return bin_pop(&_hk_tc.bin[cls]);
+  return tc_bin_pop(tc_bin(HK_BIN_OFF(cls)));
 }
 
 static void* alloc_aligned_real(size_t align, size_t n) {
@@ -440,8 +494,16 @@ static HK_NOINLINE void* calloc_slow(size_t n, unsigned cls) {
 
 static void* realloc_traced(void* p, size_t n);
 
+/* malloc's bin for size n: from the size tables once init filled them
+ * (internal.h), else by class. */
+HK_INLINE TC_AS hk_bin_t* malloc_bin(size_t n) {
+  if (HK_LIKELY(n < _hk_small_end)) return tc_bin_tls(_hk_small_tls[n]);
+  if (HK_LIKELY(n < _hk_medium_end)) return tc_bin_tls(_hk_medium_tls[(n + 127) >> 7]);
+  return tc_bin(HK_BIN_OFF(_hk_class_of(n)));   /* above 32 KiB, or before init: class 0 */
+}
+
 HK_EXPORT void* malloc(size_t n) {
-  void* p = bin_pop(&_hk_tc.bin[_hk_class_of(n)]);
+  void* p = tc_bin_pop_rax(malloc_bin(n));
   return HK_LIKELY(p != NULL) ? p : malloc_slow(n);
 }
 
@@ -464,7 +526,7 @@ HK_EXPORT void* calloc(size_t count, size_t size) {
     if (HK_UNLIKELY(_hk_trace_on)) _hk_trace_alloc(HK_OP_CALLOC, n, 0, h);
     return h;
   }
-  void* p = bin_pop(&_hk_tc.bin[cls]);
+  void* p = tc_bin_pop(tc_bin(HK_BIN_OFF(cls)));
   if (HK_UNLIKELY(p == NULL)) p = calloc_slow(n, cls);
   if (HK_LIKELY(p)) memset(p, 0, n);
   return p;

@@ -11,6 +11,10 @@
 hk_class_info_t _hk_class[HK_NUM_CLASSES];
 uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+intptr_t _hk_tc_fs;
+int32_t _hk_small_tls[HK_SMALL_MAX + 1];
+int32_t _hk_medium_tls[HK_MEDIUM_MAX / 128 + 1];
+size_t _hk_small_end, _hk_medium_end;
 hk_div_t _hk_div[HK_NUM_CLASSES] __attribute__((aligned(64)));
 uint8_t _hk_align_class[HK_ALIGN_LEVELS][64];
 uint8_t _hk_align_small[HK_ALIGN_LEVELS][HK_SMALL_MAX / 16 + 1] HK_SPARSE_BSS;
@@ -25,6 +29,15 @@ static uint32_t class_size_formula(unsigned cls) {
 }
 
 void _hk_classes_init(void) {
+#if HK_TC_FS
+  /* _hk_tc's offset from the thread pointer, as the fast paths' asm takes
+   * it (alloc.c tc_bin); the TLS offsets must fit the tables' 32 bits. */
+  uintptr_t tp_off;
+  __asm__("movq _hk_tc@gottpoff(%%rip), %0" : "=r"(tp_off));
+  _hk_tc_fs = (intptr_t)tp_off;
+  if (_hk_tc_fs < INT32_MIN || _hk_tc_fs + (intptr_t)sizeof _hk_tc.bin > INT32_MAX)
+    _hk_fatal("static TLS too large for 32-bit bin offsets", NULL);
+#endif
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_class_info_t* ci = &_hk_class[cls];
     uint32_t size = class_size_formula(cls);
@@ -85,6 +98,26 @@ void _hk_classes_init(void) {
     while (_hk_class[cls].size < n) cls++;
     _hk_medium_class[i] = (uint8_t)cls;
   }
+  /* malloc's tables (internal.h), from _hk_class_of. Every class size up
+   * to 1 KiB is a multiple of 16, so the sizes in (16(i-1), 16i] share a
+   * class, that of the group's smallest: 16 entries at a time (vector
+   * stores; one at a time cost ~4k instructions at every start). */
+  _hk_small_tls[0] = _hk_bin_tls(_hk_class_of(0));
+  for (unsigned i = 1; i <= HK_SMALL_MAX / 16; i++) {
+    int32_t tls = _hk_bin_tls(_hk_class_of(i * 16 - 15));
+    for (unsigned j = 0; j < 16; j++) _hk_small_tls[i * 16 - 15 + j] = tls;
+  }
+  for (unsigned i = 0; i <= HK_MEDIUM_MAX / 128; i++) _hk_medium_tls[i] = _hk_bin_tls(_hk_medium_class[i]);
+#if HK_DEBUG
+  for (size_t n = 0; n <= HK_MEDIUM_MAX; n++) {   /* the smallest class that holds n */
+    unsigned c = _hk_class_of(n);
+    HK_ASSERT(c >= 1 && _hk_class[c].size >= n && (c == 1 || _hk_class[c - 1].size < n));
+    HK_ASSERT((n <= HK_SMALL_MAX ? _hk_small_tls[n] : _hk_medium_tls[(n + 127) >> 7]) == _hk_bin_tls(c));
+  }
+#endif
+  /* Last: a malloc that sees an end sees the table it guards. */
+  __atomic_store_n(&_hk_small_end, (size_t)HK_SMALL_MAX + 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&_hk_medium_end, (size_t)HK_MEDIUM_MAX + 1, __ATOMIC_RELEASE);
 }
 
 /* Built at the first aligned request's slow path rather than at start: 4 KiB

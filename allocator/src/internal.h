@@ -84,12 +84,36 @@ extern hk_central_t _hk_central[HK_NUM_CLASSES];
 extern hk_class_info_t _hk_class[HK_NUM_CLASSES];
 extern uint8_t _hk_small_class[HK_SMALL_MAX / 16 + 1];
 extern uint8_t _hk_medium_class[HK_MEDIUM_MAX / 128 + 1];
+/* ---- reaching the thread cache ---------------------------------------------
+ * On x86-64 the fast paths address this thread's bins relative to %fs (GCC's
+ * __seg_fs; alloc.c "the thread cache through %fs"), and the tables they
+ * read give a bin as its TLS offset: _hk_tc_fs + HK_BIN_OFF(cls), where
+ * _hk_tc_fs is _hk_tc's offset from the thread pointer, the same in every
+ * thread of the process (initial-exec TLS) and never 0 (_hk_tc lies below
+ * the thread pointer). Elsewhere (other targets, the valgrind build, whose
+ * annotations want plain bins) _hk_tc_fs is 0 and a TLS offset is the
+ * bin's offset in _hk_tc. Slow paths use classes, never TLS offsets. */
+#if defined(__x86_64__) && defined(__SEG_FS) && !HK_VALGRIND
+#define HK_TC_FS 1
+#else
+#define HK_TC_FS 0
+#endif
+#define HK_HIDDEN __attribute__((visibility("hidden")))
+extern HK_HIDDEN intptr_t _hk_tc_fs;   /* set first thing at init (classes.c) */
+HK_INLINE int32_t _hk_bin_tls(unsigned cls) { return (int32_t)(_hk_tc_fs + (intptr_t)HK_BIN_OFF(cls)); }
+/* malloc's size tables, in TLS offsets: [n] for n < _hk_small_end, and
+ * [(n + 127) >> 7] for n < _hk_medium_end. The ends stay 0 until the tables
+ * are filled at init (a TLS offset of 0 would be the thread's control
+ * block, not a bin): before, every size takes the plain way. Hidden, so
+ * that malloc compares with an end straight from memory. */
+extern HK_HIDDEN int32_t _hk_small_tls[HK_SMALL_MAX + 1];
+extern HK_HIDDEN int32_t _hk_medium_tls[HK_MEDIUM_MAX / 128 + 1];
+extern HK_HIDDEN size_t _hk_small_end, _hk_medium_end;
 /* Per class, for the block-start test (0 for class 0): ceil(2^64 / size),
- * and the bound the product must stay under (see _hk_is_block_start). 32
- * bytes a class, the stride of a thread-cache bin, so free() indexes both
- * with the one shifted class number it computes anyway. */
+ * and the bound the product must stay under (see _hk_is_block_start).
+ * Each thread's bins carry a copy for free()'s fast path (types.h). */
 typedef struct hk_div_s {
-  uint64_t magic, limit, _pad[2];
+  uint64_t magic, limit;
 } hk_div_t;
 extern hk_div_t _hk_div[HK_NUM_CLASSES];
 extern _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES]; /* policy, slab.c */
@@ -129,9 +153,17 @@ HK_INLINE unsigned _hk_class_of(size_t n) {
 }
 
 /* ---- thread-cache bins ---------------------------------------------------------- */
+/* The slow paths' half of one of this thread's bins (types.h). */
+HK_INLINE hk_bin_cold_t* _hk_bin_cold(const hk_bin_t* bin) {
+  return &_hk_tc.cold[bin - _hk_tc.bin];
+}
+/* Blocks in the bin's list (types.h: the room left is what is kept). */
+HK_INLINE uint32_t _hk_bin_count(const hk_bin_t* bin) {
+  return (uint32_t)((int64_t)_hk_bin_cold(bin)->cap - bin->room);
+}
 /* Blocks this bin has handed out, exact at any moment (alloc.c "check-in"). */
 HK_INLINE uint64_t _hk_bin_allocs(const hk_bin_t* bin) {
-  return bin->mark - (uint64_t)(bin->left > 0 ? bin->left : 0);
+  return _hk_bin_cold(bin)->mark - (uint64_t)(bin->left > 0 ? bin->left : 0);
 }
 
 /* ---- lock ------------------------------------------------------------------- */
@@ -154,6 +186,10 @@ HK_INLINE hk_segment_t* _hk_segment_of(const void* p) {
 }
 HK_INLINE unsigned _hk_page_of(const void* p) {
   return (unsigned)(((uintptr_t)p >> HK_PAGE_SHIFT) & (HK_SEG_PAGES - 1));
+}
+/* The class of the slab covering a page (0: none). */
+HK_INLINE unsigned _hk_page_class(const hk_segment_t* seg, unsigned page) {
+  return seg->page_class[page];
 }
 /* Is p the start of one of its slab's blocks? With c = ceil(2^64/d) and
  * off < 2^32, off % d == 0 <=> off*c mod 2^64 < c (Lemire, Kaser, Kurz

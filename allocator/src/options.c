@@ -247,15 +247,18 @@ uint32_t _hk_drain_ms(void) { return live.drain_ms; }
 void _hk_tcache_apply_policy(hk_tcache_t* tc) {
   _hk_lock(&policy_lock);
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
-    tc->bin[cls].cap = _hk_check_mode ? 0 : live.tcache_cap[cls];
-    tc->bin[cls].batch = live.tcache_batch[cls];
+    hk_bin_t* bin = &tc->bin[cls];
+    uint32_t count = _hk_bin_count(bin);
+    hk_bin_cold_t* cold = &tc->cold[cls];
+    cold->cap = _hk_check_mode ? 0 : live.tcache_cap[cls];
+    bin->room = (int32_t)cold->cap - (int32_t)count;   /* the count stays */
+    cold->batch = live.tcache_batch[cls];
   }
   tc->policy_version = live.version;
   _hk_unlock(&policy_lock);
   /* A lowered capacity takes effect now, not at the next overflow. */
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++)
-    if (tc->bin[cls].count > tc->bin[cls].cap)
-      _hk_drain(tc, cls, tc->bin[cls].count - tc->bin[cls].cap);
+    if (tc->bin[cls].room < 0) _hk_drain(tc, cls, (uint32_t)-tc->bin[cls].room);
 }
 
 /* ---- public ------------------------------------------------------------------ */

@@ -2,11 +2,11 @@
  *
  * SYNCHRONIZATION
  *  1. seg_lock guards the segment list, the reservation cursor, the empty
- *     segment cache, free_pages/page_class/page_start of every segment, and
+ *     segment cache, free_pages/page_class/page_tls/page_start of every segment, and
  *     writes to _hk_map.
  *  2. Lock order: a class lock (slab.c) may be held when seg_lock is taken,
  *     never the other way round.
- *  3. free() reads _hk_map and page_class/page_start without a lock. They
+ *  3. free() reads _hk_map and page_tls/page_start without a lock. They
  *     change only when a slab is carved (before any block of it exists) or
  *     released (after every block of it came back), so for a correct program
  *     no free can race with the change; the class locks order the writes
@@ -97,8 +97,12 @@ static hk_segment_t* segment_new(void) {
   /* Fresh anonymous memory is zero: only the non-zero fields are set. */
   s->magic = HK_SEG_MAGIC;
   s->free_pages = ALL_SLAB_PAGES;
+  for (unsigned i = 0; i < HK_SEG_PAGES; i++) s->page_tls[i] = _hk_bin_tls(0);   /* before the map */
   hk_add_relaxed(&_hk_proc.committed_bytes, HK_OS_PAGE * 2);
-  _hk_map[((uintptr_t)s >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1)] = HK_MAP_SEGMENT;
+  /* Released after page_tls: free() of any pointer into the segment (a
+   * stray one included) that sees the map byte sees the bins of class 0. */
+  __atomic_store_n(&_hk_map[((uintptr_t)s >> HK_SEG_SHIFT) & (HK_MAP_ENTRIES - 1)], HK_MAP_SEGMENT,
+                   __ATOMIC_RELEASE);
   return s;
 }
 
@@ -162,8 +166,9 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   s->dirty_old &= ~mask;
   hk_sub_relaxed(&dirty_total, reused);
   for (unsigned i = (unsigned)first; i < (unsigned)first + k; i++) {
-    s->page_start[i] = (uint32_t)first << HK_PAGE_SHIFT;
+    s->page_start[i] = (uint64_t)first << HK_PAGE_SHIFT;
     s->page_class[i] = (uint8_t)cls;
+    s->page_tls[i] = _hk_bin_tls(cls);
   }
   if (s->free_pages == 0) list_remove(s);
   hk_slab_t* slab = &s->slabs[first];
@@ -207,6 +212,7 @@ void _hk_slab_release(hk_slab_t* slab) {
   _hk_lock(&seg_lock);
   for (unsigned i = first; i < first + k; i++) {
     s->page_class[i] = 0;
+    s->page_tls[i] = _hk_bin_tls(0);
     s->page_start[i] = 0;
   }
   slab->state = HK_SLAB_UNUSED;

@@ -152,7 +152,7 @@ static void give_block(hk_central_t* c, unsigned cls, void* b, uint32_t tid,
                        hk_slab_t** release) {
   hk_segment_t* seg = _hk_segment_of(b);
   unsigned page = _hk_page_of(b);
-  if (HK_UNLIKELY(seg->page_class[page] != cls))
+  if (HK_UNLIKELY(_hk_page_class(seg, page) != cls))
     _hk_invalid_free(b, "block of another size class");
   hk_slab_t* s = &seg->slabs[seg->page_start[page] >> HK_PAGE_SHIFT];
   if (HK_UNLIKELY(s->used == 0 || (uint8_t*)b >= s->bump))
@@ -265,12 +265,13 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   hk_central_t* c = &_hk_central[cls];
   uint64_t t0 = _hk_os_ticks();
   void* head;
-  uint32_t want = bin->fill;
-  if (want == 0 || want > bin->batch) want = bin->batch < 4 ? bin->batch : 4;
+  hk_bin_cold_t* cold = &tc->cold[cls];
+  uint32_t want = cold->fill;
+  if (want == 0 || want > cold->batch) want = cold->batch < 4 ? cold->batch : 4;
   if (want == 0) want = 1;
-  bin->fill = want * 2 < bin->batch ? want * 2 : bin->batch;
+  cold->fill = want * 2 < cold->batch ? want * 2 : cold->batch;
   _hk_lock(&c->lock);
-  uint32_t got = xfer_take(c, bin->batch, &head);
+  uint32_t got = xfer_take(c, cold->batch, &head);
   if (got == 0) got = take_blocks(c, cls, want, &head, tc->tid);
   _hk_unlock(&c->lock);
   if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, want, &head, tc->tid);
@@ -280,7 +281,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   if (HK_UNLIKELY(got == 0)) return NULL;
   void* p = head;
   bin->head = *(void**)p;
-  bin->count = got - 1;
+  bin->room -= (int32_t)(got - 1);   /* the bin was empty */
   bin->left--;   /* counts this block (the caller armed a due countdown) */
   _hk_publish(tc, cls);
   return p;
@@ -289,12 +290,12 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
 void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   hk_bin_t* bin = &tc->bin[cls];
   hk_central_t* c = &_hk_central[cls];
-  if (n > bin->count) n = bin->count;
+  if (n > _hk_bin_count(bin)) n = _hk_bin_count(bin);
   if (n == 0) return;
   uint64_t t0 = _hk_os_ticks();
   hk_slab_t* release = NULL;
   void* b = bin->head;
-  if (n > 1 && n <= bin->batch && (uint64_t)n * _hk_class[cls].size <= HK_XFER_BYTES) {
+  if (n > 1 && n <= tc->cold[cls].batch && (uint64_t)n * _hk_class[cls].size <= HK_XFER_BYTES) {
     /* Cut the chain outside the lock, then park it if a slot and the byte
      * bound allow (see "transfer"). */
     void* last = b;
@@ -339,7 +340,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
     _hk_unlock(&c->lock);
   }
   bin->head = b;
-  bin->count -= n;
+  bin->room += (int32_t)n;
   _hk_publish(tc, cls);
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, n);
@@ -349,7 +350,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
 
 void _hk_flush_thread(hk_tcache_t* tc) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++)
-    if (tc->bin[cls].count) _hk_drain(tc, cls, tc->bin[cls].count);
+    if (_hk_bin_count(&tc->bin[cls])) _hk_drain(tc, cls, _hk_bin_count(&tc->bin[cls]));
 }
 
 /* One block without a thread cache: check mode, a cache capacity of 0, or a

@@ -95,7 +95,7 @@ void _hk_publish(hk_tcache_t* tc, unsigned cls) {
   hk_thread_rec_t* r = tc->rec;
   if (!r) return;
   hk_store_relaxed(&r->allocs[cls], _hk_bin_allocs(&tc->bin[cls]));
-  hk_store_relaxed(&r->cached[cls], tc->bin[cls].count);
+  hk_store_relaxed(&r->cached[cls], _hk_bin_count(&tc->bin[cls]));
 }
 
 void _hk_publish_all(hk_tcache_t* tc) {
@@ -110,9 +110,11 @@ static void thread_exit(void* arg) {
   _hk_registry_lock();
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_add_relaxed(&_hk_central[cls].c.allocs, _hk_bin_allocs(&tc->bin[cls]));
-    tc->bin[cls].mark = 0;
+    tc->cold[cls].mark = 0;
     tc->bin[cls].left = 0;
-    tc->bin[cls].cap = 0;   /* from now on every call goes the direct way */
+    tc->cold[cls].cap = 0;   /* from now on every call goes the direct way */
+    tc->bin[cls].room = 0;  /* flushed: count 0 */
+    tc->bin[cls].limit = 0;
   }
   if (tc->rec) rec_unlink(tc->rec);
   tc->rec = NULL;
@@ -145,6 +147,11 @@ hk_tcache_t* _hk_tcache_setup(void) {
   hk_add_relaxed(&_hk_proc.threads_total, 1);
   tc->state = HK_TC_ACTIVE;
   _hk_registry_unlock();
+  /* Until now every free failed the bins' block-start test (limit 0). */
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    tc->bin[cls].magic = _hk_div[cls].magic;
+    tc->bin[cls].limit = _hk_div[cls].limit;
+  }
   _hk_tcache_apply_policy(tc);
   /* A non-NULL value makes pthread call thread_exit when the thread ends.
    * Our key is made first thing, so it sits in the static key array and

@@ -395,10 +395,10 @@ void _hk_trace_thread_exit(hk_tcache_t* tc) {
   if (t->trapped) {   /* thread.c zeroes the bins next; give them back whole first */
     for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
       hk_bin_t* bin = &tc->bin[cls];
-      bin->cap = t->cap[cls];
+      bin->limit = _hk_div[cls].limit;
       if (t->trapped == HK_TRAP_ALL) {
         bin->left = t->left[cls];
-        if (bin->left > 0) bin->mark += (uint64_t)bin->left;
+        if (bin->left > 0) tc->cold[cls].mark += (uint64_t)bin->left;
       }
     }
     t->trapped = HK_TRAP_NONE;

@@ -2,8 +2,8 @@
  *
  * alloc.c's slow paths call the recorders; nothing on a fast path does.
  * While a capture is on, alloc.c keeps each thread's bins "trapped"
- * (capacity 0, and outside SAMPLED a countdown far below zero) so that every
- * call reaches a slow path; the real capacity and countdown are kept here
+ * (block-start limit 0, and outside SAMPLED a countdown far below zero) so
+ * that every call reaches a slow path; the real countdowns are kept here
  * per thread and put back around the real work, which honours the policy.
  */
 #ifndef HK_TRACE_H
@@ -27,7 +27,6 @@ typedef struct hk_trace_tls_s {
   int64_t direct_left;/* SAMPLED: bytes before the next pick among classes
                          served without a thread cache (capacity 0) */
   int32_t left[HK_NUM_CLASSES];   /* the real countdowns (HK_TRAP_ALL) */
-  uint32_t cap[HK_NUM_CLASSES];   /* the real capacities */
   struct hk_tbuf_s* buf;          /* this thread's event buffer */
 } hk_trace_tls_t;
 

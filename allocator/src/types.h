@@ -105,13 +105,19 @@ typedef struct hk_segment_s {
   uint64_t  dirty_pages;
   uint64_t  dirty_old;
   /* Per page: the class of the slab covering it (0 = none, so the fast free
-   * path falls to the slow path through the class-0 sentinel bin), and the
-   * offset in the segment of that slab's first page (a byte offset, not a
-   * page number: free() subtracts it as is). Read without locks by free():
-   * they change only when a slab is carved or released, which a correct
-   * program cannot race with a free of a block in that slab. */
+   * path falls to the slow path through the class-0 sentinel bin), the
+   * same as its bin's TLS offset, _hk_bin_tls(cls) (internal.h: what
+   * free() reaches the bin by; _hk_bin_tls(0) when none, never 0 itself
+   * where the bins are reached through %fs, so it is set in a new segment
+   * before the map says "segment"), and the offset in the segment of that
+   * slab's first page (a byte offset, not a page number: free() subtracts
+   * it as is, straight from memory, which takes 64 bits). Read without
+   * locks by free(): they change only when a slab is carved or released,
+   * which a correct program cannot race with a free of a block in that
+   * slab. */
   uint8_t   page_class[HK_SEG_PAGES];
-  uint32_t  page_start[HK_SEG_PAGES];
+  int32_t   page_tls[HK_SEG_PAGES];
+  uint64_t  page_start[HK_SEG_PAGES];
   hk_slab_t slabs[HK_SEG_PAGES];        /* descriptor at the slab's first page */
   /* Check mode only (HAKMEM_CHECK=1): a bit per block handed out. Lives in
    * the header page, so it costs no memory unless touched. */
@@ -156,26 +162,47 @@ typedef struct hk_class_info_s {
 } hk_class_info_t;
 
 /* ---- thread cache ----------------------------------------------------------
- * The whole fast path: pop/push on bin[cls].head. Invariant:
- *   count == length of the list at head, count <= cap (after every free).
- * Bin 0 is a sentinel: cap 0, head NULL, so a free of a page without a class
- * (segment header, unused page) and a malloc of class 0 go to the slow path.
+ * The whole fast path: pop/push on bin[cls].head. A bin holds what the
+ * fast paths touch (32 bytes, two classes to a cache line); what only the
+ * slow paths use is in hk_bin_cold_t, the thread cache's cold[cls]
+ * (_hk_bin_cold). The list's length is not kept: free() counts down the
+ * room left under the capacity instead (one decrement and its sign, where
+ * count < cap took a load, a compare and an increment). Invariant, outside
+ * free():
+ *   cap - room == length of the list at head (_hk_bin_count), room >= 0.
+ * Bin 0 is a sentinel: cap 0, head NULL, limit 0, so a free of a page
+ * without a class (segment header, unused page) and a malloc of class 0 go
+ * to the slow path.
  */
 typedef struct hk_bin_s {
   void*    head;
-  uint32_t count;
-  uint32_t cap;
+  int32_t  room;          /* blocks free() may still push: cap - count */
   int32_t  left;          /* allocations before this bin checks in (alloc.c
                              "check-in"); 0 or below: due at the next one */
+  /* The class's block-start test (_hk_div), copied here when the thread
+   * cache is set up so that free() finds it beside the bin's head. limit 0
+   * fails every block: free's trap (a new or dead thread, a capture:
+   * alloc.c "capture traps") sends every free to the slow path, which
+   * tests with _hk_div itself. */
+  uint64_t magic;
+  uint64_t limit;
+} hk_bin_t;
+
+_Static_assert(sizeof(hk_bin_t) == 32, "a bin is 32 bytes: two to a cache line");
+
+typedef struct hk_bin_cold_s {
+  uint64_t mark;          /* allocations counted once `left` reaches 0, so
+                             blocks handed out = mark - max(left, 0) */
+  uint32_t cap;
   uint16_t batch;         /* blocks per drain, and most per refill (<= 1024) */
   uint16_t fill;          /* blocks the next refill takes: starts small and
                              doubles up to batch, so a class used a few
                              times does not pull in a whole batch */
-  uint64_t mark;          /* allocations counted once `left` reaches 0, so
-                             blocks handed out = mark - max(left, 0) */
-} hk_bin_t;
+} hk_bin_cold_t;
 
-_Static_assert(sizeof(hk_bin_t) == 32, "a bin is 32 bytes, the stride free() shares with _hk_div");
+/* Where bin cls lies in a thread cache's bins (internal.h: _hk_bin_tls,
+ * what the fast paths' tables hold, so they need not scale the class). */
+#define HK_BIN_OFF(cls) ((unsigned)(cls) * (unsigned)sizeof(hk_bin_t))
 
 enum { HK_TC_NEW = 0, HK_TC_ACTIVE = 1, HK_TC_DEAD = 2 };
 
@@ -192,7 +219,8 @@ typedef struct hk_thread_rec_s {
 } hk_thread_rec_t;
 
 typedef struct hk_tcache_s {
-  hk_bin_t  bin[HK_NUM_CLASSES];
+  hk_bin_t  bin[HK_NUM_CLASSES] __attribute__((aligned(64)));
+  hk_bin_cold_t cold[HK_NUM_CLASSES];
   uint64_t  policy_version;     /* version of the policy its caps came from */
   uint64_t  trim_epoch;         /* malloc_trim calls seen (alloc.c) */
   uint64_t  last_gc_ns;         /* last idle-drain pass */

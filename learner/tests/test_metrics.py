@@ -48,7 +48,9 @@ def test_metrics_endpoint_serves_what_learnd_measures(tmp_path):
         assert samples(fams, "hakmem_learnd_info")[0].labels["version"]
         assert samples(fams, "hakmem_learnd_processes")[0].value == 0
 
-        w = start(["burst", 64, 3000, scaled(6)], d.shm)
+        # Long enough for learnd's screening (a capture and its replays, about
+        # 4 s) and a trial decided after it.
+        w = start(["burst", 64, 3000, scaled(12)], d.shm)
         ring_path(d.shm, w.pid)
         pid = str(w.pid)
 

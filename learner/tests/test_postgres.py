@@ -286,7 +286,11 @@ def stack(pg_user, request, shared_shm, tmp_path):
     """learnd over a private telemetry directory, and a preloaded cluster
     publishing there; both stopped at teardown whatever happened."""
     bindir = request.getfixturevalue("public_bin")
-    d = Learnd(tmp_path / "learnd", "--learner", "gp", shm=shared_shm, period=PERIOD, wait_ready=False)
+    # --no-screen: under test is how fast every backend takes up a candidate;
+    # screening would put the first one late, or none if the replay ranks
+    # nothing above the default (test_learnd.py covers screening).
+    d = Learnd(tmp_path / "learnd", "--learner", "gp", "--no-screen", shm=shared_shm, period=PERIOD,
+               wait_ready=False)
     pg = None
     try:
         pg = Postgres(pg_user, str(bindir / LIB.name), shared_shm)

@@ -204,7 +204,11 @@ def check_answers(c, rnd, tag):
 
 
 def test_redis_under_load_tuned_by_learnd_with_metrics(redis_user, shared_shm, public_bin, tmp_path):
-    d = Learnd(tmp_path / "learnd", "--learner", "gp", "--metrics", "127.0.0.1:0", shm=shared_shm, period=PERIOD)
+    # --no-screen: what is under test is a policy's way into redis's allocator,
+    # and redis's replay ranks nothing above the default (screening would
+    # settle on it); test_learnd.py covers screening.
+    d = Learnd(tmp_path / "learnd", "--learner", "gp", "--no-screen", "--metrics", "127.0.0.1:0", shm=shared_shm,
+               period=PERIOD)
     redis = load = None
     try:
         url = wait_for(lambda: re.search(r"metrics (http://\S+/metrics)", d.text()), 10, "the metrics URL").group(1)
@@ -227,7 +231,9 @@ def test_redis_under_load_tuned_by_learnd_with_metrics(redis_user, shared_shm, p
         # Load while learnd tunes: a policy for redis-server stored, and in
         # force in redis's allocator (applied, and the very knobs stored).
         load = redis.bench("-c", 4, "-n", 10_000_000, "-t", "set,get,lpush,lpop", "-d", 512, "-r", 50000, "-q", "-l")
-        ring_file = wait_for(lambda: next(iter(pathlib.Path(shared_shm).glob(f"{redis.proc.pid}-*")), None), 10,
+        # <pid>-<start>, not <pid>-<start>.trace-N (learnd's screening capture).
+        ring_file = wait_for(lambda: next((p for p in pathlib.Path(shared_shm).glob(f"{redis.proc.pid}-*")
+                                           if "." not in p.name), None), 10,
                              "redis's telemetry file")
         ring = Ring(str(ring_file))
         try:
@@ -255,11 +261,15 @@ def test_redis_under_load_tuned_by_learnd_with_metrics(redis_user, shared_shm, p
 
         # Metrics: redis's rates, memory and policy as a scraper sees them.
         def redis_metrics():
+            # The series are made at each window's end: the one after the
+            # policy was applied (screening puts the first trial late).
             fams = {f.name: f for f in scrape(url)}
             allocs = [s for s in fams["hakmem_process_counter_rate"].samples
                       if s.labels["program"] == PROGRAM and s.labels["counter"] == "allocs"]
-            return fams if allocs and allocs[0].value > 0 else None
-        fams = wait_for(redis_metrics, 10, "redis-server's allocation rate in the metrics")
+            applied = [s for s in fams["hakmem_process_policy_applied_version"].samples
+                       if s.labels["program"] == PROGRAM and s.value > 0]
+            return fams if allocs and allocs[0].value > 0 and applied else None
+        fams = wait_for(redis_metrics, 10, "redis-server's allocation rate and applied policy in the metrics")
         rss = [s for s in fams["hakmem_process_resident_bytes"].samples if s.labels["pid"] == str(redis.proc.pid)]
         assert rss and rss[0].value > 1e6, rss
         ver = [s for s in fams["hakmem_process_policy_applied_version"].samples

@@ -87,6 +87,7 @@ def test_gp_tries_the_next_screened_candidate_when_the_best_fails_online():
     assert kinds[1][0] == "rollback" and same(kinds[1][1], ctx.default)
     assert kinds[2][0] == "explore" and same(kinds[2][1], real[0].knobs)
     assert kinds[3][0] == "accept"
+    assert lrn.state() == "settled"
 
 
 def test_gp_searches_on_its_own_when_the_screen_fails_or_never_answers():
@@ -115,9 +116,11 @@ def test_gp_keeps_the_default_when_the_replay_ranks_nothing_cheaper():
     r = ranked(sim, pols)
     assert same(r[0].knobs, ctx.default)
     lrn.screened(r)
-    decisions, _, _ = drive_started(lrn, sim, ctx, 8)
-    # Not one screened trial; the blind search that follows is the learner's usual one.
-    assert all("screened" not in d.reason for _, d in decisions)
+    decisions, _, incumbents = drive_started(lrn, sim, ctx, 20)
+    # Not one trial: the ranking is the search, and it found nothing.
+    assert [d.kind for _, d in decisions] == ["settle"], decisions
+    assert "ranks nothing cheaper" in decisions[0][1].reason
+    assert lrn.state() == "settled" and all(same(k, ctx.default) for k in incumbents)
 
 
 def drive_started(lrn, sim, ctx, n):

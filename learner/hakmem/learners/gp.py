@@ -148,7 +148,9 @@ class GPLearner(Reporting):
                     break
         self._screen_note = (why or "the replay ranks nothing cheaper than the incumbent beyond its spread") \
             if not queue else ""
-        self._screen = queue or "done"
+        # With a ranking, only what it ranks cheaper is tried (an empty queue
+        # settles at the next proposal); without one, the search is blind.
+        self._screen = queue if ranked else "done"
 
     def observe(self, w: Window) -> Decision | None:
         if self.ctx is None:
@@ -478,11 +480,14 @@ class GPLearner(Reporting):
                 self._trial = _Run(c.knobs, c.x, self._radius)
                 parts = self._space.describe(c.knobs, self._inc) or ["a policy outside the search's dimensions"]
                 return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [screened; {c.why}]", self._take())
+            # The replay's ranking is the search: what it ranks cheaper was
+            # tried, and nothing else is (no blind trial risks the program).
             self._screen = "done"
-            if self._screen_won:
-                self._settle()
-                return None
-            self._screen_note = "no screened candidate confirmed online"
+            self._screen_note = self._screen_note or ("" if self._screen_won else
+                                                      "no screened candidate confirmed online")
+            self._settle()
+            return Decision(self._inc, "settle", f"settled: {self._screen_note or 'the replay best confirmed'}",
+                            self._take()) if not self._screen_won else None
         cands = self._candidates()
         while not cands and self._radius > self.p.radius_min + 1e-9:
             self._radius = max(self._radius * self.p.shrink, self.p.radius_min)

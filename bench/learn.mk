@@ -4,7 +4,7 @@
 # glibc only (hakmem comes by LD_PRELOAD, as for every benchmark), then
 # bench/learn.py runs the default policy, a grid of static policies,
 # hakmem-learnd's miss-driven learner, and hakmem-learnd cold and warm on
-# three workloads; results in bench/results/learn.{json,md,png}.
+# four workloads; results in bench/results/learn.{json,md,png}.
 
 PY              ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 LEARN_WORKLOAD  := $(BUILD)/bench/learn_workload
@@ -17,8 +17,8 @@ $(LEARN_WORKLOAD): bench/learn_workload.c bench/learn.mk
 	@$(if $(Q),echo "  BENCH   $@")
 	$(Q)$(CC) -std=gnu11 -O2 -g -pthread -Wall -Wextra $< -o $@
 
-bench-learn: lib venv $(LEARN_WORKLOAD) ## run the learner proof: default, best static, miss-driven, learnd cold and warm on three workloads (about 17 minutes; LEARN_ARGS=...)
+bench-learn: lib venv $(LEARN_WORKLOAD) ## run the learner proof: default, best static, miss-driven, learnd cold and warm on four workloads (about 22 minutes; LEARN_ARGS=...)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn.py $(LEARN_ARGS)
 
-bench-learn-quick: lib venv $(LEARN_WORKLOAD) ## the learner proof with short runs and a small grid (about 2 minutes)
+bench-learn-quick: lib venv $(LEARN_WORKLOAD) ## the learner proof with short runs and a small grid (about 3 minutes)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn.py --quick $(LEARN_ARGS)

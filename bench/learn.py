@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The learner proof: does hakmem-learnd find a good policy, by measurement?
 
-Three workloads (bench/learn_workload.c) whose best static policies differ
+Four workloads (bench/learn_workload.c) whose best static policies differ
 (a deep cache for one class; shallow caches in many idle threads; a warm
-pool that holds a whole phase) each run under five configurations:
+pool that holds a whole phase; nothing kept through idle time) each run under five configurations:
 
   default      the allocator's default policy
   grid         a grid of static policies, each written into the process's
@@ -760,7 +760,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="bench/learn.py", description=__doc__.split("\n\n")[0],
         epilog="workloads: " + ", ".join(WORKLOADS) + ". configurations: " + ", ".join(CONFIGS)
         + ". Build first with `make bench-learn` (which runs this), or `make lib venv` and build/bench/learn_workload.")
-    ap.add_argument("--quick", action="store_true", help="short runs and a 4-point grid: a check that everything runs (about 2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="short runs and a 4-point grid: a check that everything runs (about 3 minutes)")
     ap.add_argument("--only", metavar="WORKLOADS", help="comma-separated workloads (default: all)")
     ap.add_argument("--configs", metavar="LIST", default=",".join(CONFIGS), help="comma-separated configurations (default: all); default always runs")
     ap.add_argument("--seconds", type=float, help="seconds per run (default 60, --quick 4); learnd-warm runs at most 30")

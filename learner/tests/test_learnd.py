@@ -272,9 +272,16 @@ def test_hostile_files_are_ignored_with_a_log_line(tmp_path):
         # A real ring whose owner is not the process's owner.
         w = start(["burst", 64, 2000, scaled(4)], d.shm)
         path = ring_path(d.shm, w.pid)
-        w2 = start(["burst", 64, 2000, scaled(4)], d.shm)
-        path2 = ring_path(d.shm, w2.pid)
-        os.chown(path2, 65534, 65534)
+        # Made in a directory of its own and moved in only once foreign:
+        # learnd must never see it with the process's owner (it would then
+        # rightly trust it, and the test would race the chown).
+        stage = tmp_path / "stage"
+        stage.mkdir()
+        with Lease(stage, "pytest"):
+            w2 = start(["burst", 64, 2000, scaled(4)], stage)
+            path2 = ring_path(stage, w2.pid)
+            os.chown(path2, 65534, 65534)
+            os.rename(path2, d.shm / path2.name)
         os.symlink(path, d.shm / f"{sleeper.pid}-1")
         d.wait_log(f"{junk.name}: not a hakmem telemetry file")
         finish(w)

@@ -258,7 +258,7 @@ class Evaluation:
 @dataclasses.dataclass
 class Decision:
     knobs: dict                          # apply this now
-    kind: str                            # explore | accept | rollback | relearn | settle
+    kind: str                            # explore | ab (an A/B trial's switch) | accept | rollback | relearn | settle
     reason: str                          # one line for a person
     evaluations: list[Evaluation] = dataclasses.field(default_factory=list)
 

@@ -46,7 +46,11 @@ from . import capture as C
 from .knobs import Knobs, default_batch
 from .learning import Context
 
-SECONDS = 1                  # the capture's bound in time ...
+# A program that allocates in bursts seconds apart needs a trace that holds
+# a whole cycle or two: with 1 s, bench-learn's spikes (a burst every 2 s)
+# gave a trace of one burst's frees and the idle time after, whose replay
+# ranked whatever its noise put first. A fast program fills MAX_BYTES first.
+SECONDS = 4                  # the capture's bound in time ...
 MAX_BYTES = 16 << 20         # ... and in bytes (about 1.3 million events)
 AFTER_WINDOWS = 2            # windows measured before the capture is asked for
 ACK_WAIT_S = 10.0            # a process takes a request on its next allocation or telemetry tick

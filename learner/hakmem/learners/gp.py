@@ -15,6 +15,7 @@ import numpy as np
 from ..knobs import Knobs
 from ..learning import Context, Decision, Evaluation, Prior, Window, digest, same
 from ..objective import format_size
+from .paired import Block, Paired, choose_block
 from .base import Reporting, _active, _Meter, _mean_windows, _pct, _push, _rate, _Run, _start_decision
 from .space import PolicySpace
 
@@ -49,6 +50,8 @@ class GPParams:
     screen_wait_windows: int = 40   # windows to wait for learnd's screening before searching without it
     screen_trials: int = 3          # screened candidates tried online at most
     screen_margin: float = 0.03     # the least replayed improvement worth a trial, a share of the cost
+    ab_pairs: int = 6               # a screened candidate's A/B pairs at most (paired.py: 2..6)
+    ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
 
     def __post_init__(self):
         object.__setattr__(self, "warmup_windows", max(2, self.warmup_windows))
@@ -180,6 +183,7 @@ class GPLearner(Reporting):
         # mix and the hot classes.
         self._idle = not w.busy
         counted = _active(w)
+        raw = (float(w.time_cost), float(w.mem_cost), float(np.sum(w.allocs)) if counted else 0.0)
         if counted:
             self._work.append(float(np.sum(w.allocs)))
             w = self._per_work(w)
@@ -194,6 +198,8 @@ class GPLearner(Reporting):
         d = self._check_mix() if counted else None
         if d is not None:
             return d
+        if self._ab is not None:
+            return self._ab_step(w, raw)
         if self._trial is not None:
             if not same(w.knobs, self._trial.knobs):
                 return None
@@ -202,6 +208,7 @@ class GPLearner(Reporting):
         if not same(w.knobs, self._inc):
             return None
         self._inc_add(w)
+        self._inc_raw.append(raw)
         if self._phase is Phase.WARMUP:
             if len(self._inc_costs) < self.p.warmup_windows:
                 return None
@@ -286,6 +293,9 @@ class GPLearner(Reporting):
         self._ref_mix: np.ndarray | None = None
         self._mix_over = 0
         self._trial: _Run | None = None
+        self._ab: Paired | None = None        # the screened trial's A/B test (paired.py)
+        self._block: Block | None = None      # its block, chosen once per search from the incumbent's windows
+        self._inc_raw: collections.deque = collections.deque(maxlen=16)   # those windows: (time, mem, allocs)
         self._inc_x: np.ndarray | None = None
         self._inc_costs: collections.deque[float] = collections.deque(maxlen=10)
         self._inc_run = _Run(self._inc)       # incumbent windows not reported yet
@@ -400,18 +410,61 @@ class GPLearner(Reporting):
             verdict = "accepted"
         else:
             verdict = "rolled_back" if diff > margin else "rejected"
+        change = f"cost {_pct(diff / inc)} vs incumbent (noise {rel * 100:.1f}%)"
+        return self._conclude(verdict, inc, change)
+
+    def _ab_step(self, w: Window, raw) -> Decision | None:
+        """One window of a screened candidate's A/B trial (paired.py)."""
+        ab, t = self._ab, self._trial
+        if not same(w.knobs, ab.want()):
+            # The block's policy not yet in force: the allocator takes a new
+            # policy when a thread allocates, and this program's threads may
+            # have stopped. The trial ends unjudged; the incumbent returns.
+            self._ab_wait += 1
+            if self._ab_wait < self.p.stall_windows:
+                return None
+            self._ab, self._trial, self._screen_trial = None, None, None
+            self._settle()
+            return Decision(self._inc, "rollback", f"the program did not take up the A/B trial's next block in "
+                                                   f"{self.p.stall_windows} windows: back to the incumbent, settled",
+                            self._take())
+        self._ab_wait = 0
+        if ab.side == "I":
+            self._inc_add(w)
+        else:
+            t.add(w)
+        step = ab.add(raw)
+        if step is None or step == "same":
+            return None
+        if step == "switch":
+            side = "the candidate" if ab.side == "C" else "the incumbent"
+            return Decision(ab.want(), "ab", f"A/B: {side} for {ab.block} window{'s' if ab.block > 1 else ''} "
+                                             f"(pair {len(ab.pairs) + 1} of at most {ab.max_pairs})", self._take())
+        self._ab = None
+        # The incumbent's cost is the mean of its own blocks in the trial,
+        # measured beside the candidate's.
+        inc = float(np.mean([i for _, i in ab.pairs]))
+        cand = float(np.mean([c for c, _ in ab.pairs]))
+        return self._conclude(step, inc, ab.describe(), cand)
+
+    def _conclude(self, verdict: str, inc: float, change: str, cand: float | None = None) -> Decision:
+        """cand: the candidate's cost where the verdict priced it otherwise
+        than its windows' mean (an A/B trial's blocks)."""
+        t = self._trial
         ev = t.evaluation(verdict, self._inc, inc)
+        if cand is not None:
+            ev = dataclasses.replace(ev, cost_mean=cand)
+        cand = t.mean if cand is None else cand
         self._close_segment(t)
-        self._add_point(t.x, self._scale + math.log(max(t.mean, 1e-300) / inc))
+        self._add_point(t.x, self._scale + math.log(max(cand, 1e-300) / inc))
         self._trial = None
         self._trials += 1
         self._since = 0
         self._need = self.p.remeasure_windows if self._trials % self.p.remeasure_every == 0 else 1
         _push(self._pending, [ev])
-        change = f"cost {_pct(diff / inc)} vs incumbent (noise {rel * 100:.1f}%)"
         screened, self._screen_trial = self._screen_trial, None
         if verdict == "accepted":
-            self._scale += math.log(max(t.mean, 1e-300) / inc)
+            self._scale += math.log(max(cand, 1e-300) / inc)
             self._inc, self._inc_x = t.knobs, t.x
             self._inc_costs = collections.deque(t.cost, maxlen=10)
             self._inc_run, self._inc_seg = _Run(t.knobs), _Run(t.knobs)
@@ -478,8 +531,17 @@ class GPLearner(Reporting):
                 self._close_segment(self._inc_seg)
                 self._inc_seg = _Run(self._inc)
                 self._trial = _Run(c.knobs, c.x, self._radius)
+                ref = float(np.mean(self._work)) if self._work else None
+                if self._block is None:
+                    # The incumbent's windows since the warm-up.
+                    self._block = choose_block(list(self._inc_raw), ref)
+                self._ab_wait = 0
+                self._ab = Paired(c.knobs, self._inc, self._block, ref=ref, max_pairs=self.p.ab_pairs,
+                                  margin=self.p.min_margin, abort=self.p.ab_abort)
                 parts = self._space.describe(c.knobs, self._inc) or ["a policy outside the search's dimensions"]
-                return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [screened; {c.why}]", self._take())
+                return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [screened; {c.why}; A/B against "
+                                                    f"the incumbent in blocks of {self._block.windows} window"
+                                                    f"{'s' if self._block.windows > 1 else ''}]", self._take())
             # The replay's ranking is the search: what it ranks cheaper was
             # tried, and nothing else is (no blind trial risks the program).
             self._screen = "done"

@@ -1,0 +1,202 @@
+"""A/B trials: a candidate confirmed against the incumbent in alternating blocks.
+
+A trial judged against the incumbent's windows from before it compares two
+stretches of time, and a service's load drifts between them (pgbench warming
+its buffers, redis filling its keyspace): a candidate measured while the load
+rose is refused, one measured while it fell is taken. Alternating blocks of
+candidate (C) and incumbent (I) windows make every comparison between
+neighbours in time, and the decision rests on the pairs' differences.
+
+THE TEST
+  - Blocks run in ABBA order, C I I C C I ...: a drift linear in time cancels
+    over two pairs, and one switch serves two blocks (a switch costs the
+    window it happens in, which counts for neither policy).
+  - A block is `block` windows. Most programs' windows are independent and
+    one window is a block; a program whose cost comes in bursts slower than
+    a window (a spike every two windows) would make every block's mean a
+    matter of which window the burst fell in. `choose_block` picks the block
+    from the incumbent's own consecutive windows: the shortest whose means
+    vary least per window spent on them.
+  - A block's cost (block_cost) prices its allocator time per allocation
+    over the whole block, at the program's usual rate: the learner's
+    per-window pricing (time per allocation of that window) would, for a
+    program whose bursts span two windows, price the page faults of writing
+    a burst by the handful of allocations in the window they fall in.
+  - Each pair gives d = log(C cost / I cost): costs are positive and a
+    policy changes them by a factor.
+  - After each pair from the second on (at most `max_pairs` - 1 looks), a
+    one-sided t-test on the d's: accept when the mean is below -log(1 +
+    margin) and below zero with 95% confidence; roll back when above zero
+    with 95% confidence. The 5% is split over the looks (Bonferroni), so the
+    chance of taking a candidate that is no better is at most 5% over the
+    whole trial, not per look. The d's variance pools the pairs' own spread
+    with what the incumbent's blocks before the trial say (twice their
+    relative variance), degrees of freedom added; it is floored at
+    `sd_floor`: pairs that agree by chance claim no certainty.
+  - One pair whose candidate costs more than 1 + `abort` times the incumbent
+    ends the trial at once: the program does not pay a second block of it.
+  - No verdict after `max_pairs`: rejected, within the noise.
+
+What a switch back costs is not the candidate's: the incumbent's block after
+a candidate that released memory starts with less resident (its caches refill
+within the block), so the test leans towards the incumbent, never away."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+CONFIDENCE = 0.95
+MAX_LOOKS = 5
+# One-sided Student t quantiles at 1 - 0.05/5 = 0.99 (five looks: pairs 2..6),
+# by degrees of freedom (scipy.stats.t.ppf(0.99, df)); between two entries
+# the smaller df's, which is the larger quantile.
+_T99 = {1: 31.82, 2: 6.965, 3: 4.541, 4: 3.747, 5: 3.365, 6: 3.143, 7: 2.998, 8: 2.896, 9: 2.821,
+        10: 2.764, 12: 2.681, 14: 2.624, 16: 2.583, 18: 2.552, 20: 2.528, 25: 2.485, 30: 2.457,
+        40: 2.423, 60: 2.390, 120: 2.358}
+
+
+def t_crit(df: int) -> float:
+    """The one-sided critical t for df degrees of freedom at 99%: 95% over
+    the trial's five looks at most (Bonferroni)."""
+    return _T99[max(k for k in _T99 if k <= max(df, 1))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A block length and what the incumbent's own windows say of it: the
+    variance of its block means relative to their mean, with its degrees
+    of freedom (0: nothing measured)."""
+    windows: int = 1
+    rel_var: float = 0.0
+    df: int = 0
+
+
+def block_cost(ws, ref: float | None = None) -> float:
+    """One block's cost from its windows, each (time, mem, allocs) or a
+    plain cost. With ref (the program's usual allocations per second) the
+    time is priced per allocation over the whole block, at that rate, as the
+    learner prices a window's: a burst's allocations and the page faults of
+    writing them may fall in neighbouring windows, and per window the second
+    would be priced per the handful of allocations beside it."""
+    t = [w if isinstance(w, (int, float)) else w[0] for w in ws]
+    m = [0.0 if isinstance(w, (int, float)) else w[1] for w in ws]
+    a = [0.0 if isinstance(w, (int, float)) else w[2] for w in ws]
+    n = max(len(ws), 1)
+    time = sum(t) / n
+    if ref and sum(a) > 0:
+        time = sum(t) / sum(a) * ref
+    return max(time + sum(m) / n, 1e-300)
+
+
+def choose_block(windows, ref: float | None = None, choices=(1, 2, 3), gain=0.1, min_blocks=4) -> Block:
+    """The block length (windows) whose costs vary least per window spent,
+    from consecutive windows of one policy (block_cost's forms). A block of
+    k windows costs k + 1/2 windows (a switch every other block, ABBA). A
+    longer block is taken only when it beats the shortest tenfold (a spike
+    every other window does it a hundredfold; independent windows'
+    estimates from a few blocks stray by less than that but by more than
+    twofold), from `min_blocks` of it."""
+    ws = list(windows)
+    best, best_score = Block(), None
+    for k in choices:
+        n = len(ws) // k
+        if n < min_blocks:
+            break
+        tail = ws[len(ws) - n * k:]
+        costs = np.asarray([block_cost(tail[i * k:(i + 1) * k], ref) for i in range(n)])
+        v = float(np.var(costs, ddof=1)) / float(np.mean(costs)) ** 2
+        score = (k + 0.5) * v
+        if best_score is None or score < gain * best_score:
+            best, best_score = Block(k, v, n - 1), score
+    return best
+
+
+class Paired:
+    """One A/B trial. want() is the policy for the current block; add(window)
+    takes one window measured under it and says what follows: None (more of
+    this block), "switch" (the next block runs the other policy), "same" (the
+    next block runs the same one) or a verdict: "accepted", "rolled_back",
+    "rejected"."""
+
+    def __init__(self, cand, inc, block: Block | int = 1, *, ref: float | None = None, max_pairs: int = 6,
+                 margin: float = 0.005, abort: float = 0.5, sd_floor: float = 0.01):
+        self.cand, self.inc, self.ref = cand, inc, ref
+        b = block if isinstance(block, Block) else Block(int(block))
+        self.block = max(1, b.windows)
+        # The pairs' noise before any pair: two block means' difference,
+        # each as noisy as the incumbent's own blocks were.
+        self.prior_var, self.prior_df = 2 * b.rel_var, b.df
+        self.max_pairs = min(max(2, int(max_pairs)), MAX_LOOKS + 1)
+        self.margin, self.abort, self.sd_floor = margin, abort, sd_floor
+        self.pairs: list[tuple[float, float]] = []     # (C cost, I cost), block_cost of each side
+        self._cur: dict[str, list] = {"C": [], "I": []}
+        self._blocks = 0            # blocks finished
+        self._n = 0                 # windows in the current block
+        self.t = 0.0
+
+    def _side(self, b: int) -> str:
+        # ABBA: C I | I C | C I | I C ...
+        return "C" if (b % 4) in (0, 3) else "I"
+
+    @property
+    def side(self) -> str:
+        return self._side(self._blocks)
+
+    def want(self):
+        return self.cand if self.side == "C" else self.inc
+
+    @property
+    def diffs(self) -> list[float]:
+        return [math.log(c / i) for c, i in self.pairs]
+
+    @property
+    def relative(self) -> float:
+        """The candidate's cost relative to the incumbent's, from the pairs."""
+        d = self.diffs
+        return math.expm1(float(np.mean(d))) if d else 0.0
+
+    def add(self, window) -> str | None:
+        """window: (time, mem, allocs) of one window, or its cost."""
+        self._cur[self.side].append(window)
+        self._n += 1
+        if self._n < self.block:
+            return None
+        self._n = 0
+        was = self.side
+        self._blocks += 1
+        if self._blocks % 2 == 0:
+            c, i = block_cost(self._cur["C"], self.ref), block_cost(self._cur["I"], self.ref)
+            self._cur = {"C": [], "I": []}
+            self.pairs.append((c, i))
+            v = self._verdict()
+            if v:
+                return v
+        return "same" if self.side == was else "switch"
+
+    def _verdict(self) -> str | None:
+        d = np.asarray(self.diffs)
+        n = len(d)
+        if n == 1:
+            return "rolled_back" if d[0] > math.log1p(self.abort) else None
+        m = float(d.mean())
+        # The pairs' own spread pooled with the incumbent's (their degrees of
+        # freedom added): two pairs alone say little of the noise.
+        df = n - 1 + self.prior_df
+        var = ((n - 1) * float(d.var(ddof=1)) + self.prior_df * self.prior_var) / df
+        se = max(math.sqrt(var), self.sd_floor) / math.sqrt(n)
+        self.t = m / se
+        crit = t_crit(df)
+        if self.t < -crit and m < -math.log1p(self.margin):
+            return "accepted"
+        if self.t > crit:
+            return "rolled_back"
+        if n >= self.max_pairs:
+            return "rejected"
+        return None
+
+    def describe(self) -> str:
+        n = len(self.pairs)
+        return (f"cost {self.relative * 100:+.1f}% vs incumbent over {n} A/B pair{'s' if n != 1 else ''} "
+                f"of {self.block} window{'s' if self.block != 1 else ''} (t {self.t:+.1f})")

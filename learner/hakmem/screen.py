@@ -47,10 +47,14 @@ from .knobs import Knobs, default_batch
 from .learning import Context
 
 # A program that allocates in bursts seconds apart needs a trace that holds
-# a whole cycle or two: with 1 s, bench-learn's spikes (a burst every 2 s)
-# gave a trace of one burst's frees and the idle time after, whose replay
-# ranked whatever its noise put first. A fast program fills MAX_BYTES first.
-SECONDS = 4                  # the capture's bound in time ...
+# a whole cycle: with 1 s, bench-learn's spikes (a burst every 2 s) gave a
+# trace of one burst's frees and the idle time after, whose replay ranked
+# whatever its noise put first; the capture ends at the first allocation
+# after SECONDS, so 2 s holds one whole burst of it and the idle time after.
+# 4 s did too, but delayed every slow program's first trial by 15 s more
+# (replays are paced: a trace of N seconds replays in about N). A fast
+# program fills MAX_BYTES first.
+SECONDS = 2                  # the capture's bound in time ...
 MAX_BYTES = 16 << 20         # ... and in bytes (about 1.3 million events)
 AFTER_WINDOWS = 2            # windows measured before the capture is asked for
 ACK_WAIT_S = 10.0            # a process takes a request on its next allocation or telemetry tick

@@ -157,7 +157,7 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     decisions = [(i, d) for i, d in decisions if d.kind != "ab"]
     kinds = [(d.kind, d.knobs) for _, d in decisions]
     assert kinds[0][0] == "explore" and same(kinds[0][1], good)
-    assert kinds[1][0] == "accept" and "trying them too" in decisions[1][1].reason
+    assert kinds[1][0] == "accept" and "cannot tell 1 other candidate from it: trying it too" in decisions[1][1].reason
     assert kinds[2][0] == "explore" and same(kinds[2][1], better)
     assert kinds[3][0] == "accept" and "settled" in decisions[3][1].reason, decisions
     assert len(decisions) == 4, "far is dearer in the replay beyond the margin: never tried"

@@ -483,7 +483,8 @@ class GPLearner(Reporting):
                 if ties:
                     self._screen = ties
                     return Decision(t.knobs, "accept", f"accept: {change}; the replay cannot tell {len(ties)} "
-                                                       f"other candidates from it: trying them too", self._take())
+                                                       f"other candidate{'s' if len(ties) != 1 else ''} from it: trying "
+                                                       f"{'them' if len(ties) != 1 else 'it'} too", self._take())
                 self._screen = "done"
                 self._settle()
                 return Decision(t.knobs, "accept", f"accept: {change}; the replay's best confirmed, settled",

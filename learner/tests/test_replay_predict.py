@@ -22,6 +22,8 @@ def test_spearman_plain_and_with_ties():
     assert RP.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     # Average ranks for ties: [1.5, 1.5, 3] against [1, 2, 3].
     assert RP.spearman([0, 0, 1], [1, 2, 3]) == pytest.approx(0.8660254, abs=1e-6)
+    # Rounding over tied ranks gave 1.0000000000000002 here: never past 1.
+    assert RP.spearman([1, 3, 1, 4], [1, 3, 1, 4]) == 1.0
 
 
 def test_tiers_join_overlapping_runs_and_split_distinct_ones():

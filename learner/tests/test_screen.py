@@ -3,10 +3,14 @@ what the GP learner does with the ranking, driven by the simulated program of
 test_learners (no processes). learnd end to end with a real capture and real
 replays is in test_learnd.py (test_screening_*)."""
 import dataclasses
+import os
 
+import pytest
+
+from hakmem.capture import CaptureError
 from hakmem.learners import GPLearner
 from hakmem.learning import same
-from hakmem.screen import Ranked, policies
+from hakmem.screen import Ranked, Screen, policies
 from test_learners import CLS, Sim, assert_in_bounds, drive, make_ctx, with_hot
 
 
@@ -162,3 +166,82 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     assert kinds[3][0] == "accept" and "settled" in decisions[3][1].reason, decisions
     assert len(decisions) == 4, "far is dearer in the replay beyond the margin: never tried"
     assert same(lrn.incumbent()[0], better) and lrn.state() == "settled"
+
+
+# ---- what screening takes out of the telemetry directory ---------------------------
+# Any user may write there: what stands in the trace's name (a link, a FIFO,
+# another user's file, a second name of some file, a truncated or oversized
+# trace) fails the screening in one line, blocks nothing, and is neither
+# followed, written, nor removed unless it is the process's own file.
+
+def _trace_bytes(events=5, cut=0):
+    from hakmem._pb import trace_pb2
+    c = trace_pb2.TraceChunk(seq=0)
+    c.footer.events = events
+    body = c.SerializeToString()
+    data = b"HKTRACE1" + bytes([len(body)]) + body
+    return data[:len(data) - cut] if cut else data
+
+
+def _screen_taking(tmp_path):
+    import types
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    s = Screen(make_ctx(), str(shm), None, None)
+    ring = types.SimpleNamespace(pid=4242, start_time=77, file_uid=os.geteuid())
+    p = types.SimpleNamespace(pid=4242, ring=ring)
+    s.req = 3
+    return s, p, shm / "4242-77.trace-3"
+
+
+def test_screening_takes_the_process_own_trace_and_removes_it(tmp_path):
+    s, p, name = _screen_taking(tmp_path)
+    name.write_bytes(_trace_bytes())
+    s._take(p)
+    try:
+        assert s.footer["events"] == 5 and not name.exists()
+        assert open(s.path, "rb").read() == _trace_bytes()
+    finally:
+        s._cleanup()
+    assert s.path is None
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "hardlink", "truncated", "oversized", "foreign"])
+def test_screening_refuses_what_stands_in_the_trace_name(tmp_path, kind):
+    s, p, name = _screen_taking(tmp_path)
+    target = tmp_path / "victim"
+    target.write_bytes(_trace_bytes())
+    if kind == "symlink":
+        os.symlink(target, name)
+    elif kind == "fifo":
+        os.mkfifo(name)          # no writer: opening it must not wait for one
+    elif kind == "hardlink":
+        os.link(target, name)
+    elif kind == "truncated":
+        name.write_bytes(_trace_bytes(cut=3))
+    elif kind == "oversized":    # past the bound: read only up to it, then judged cut short
+        s.max_bytes = 1 << 16
+        name.write_bytes(_trace_bytes()[:8] + b"\xff\xff\x7f" + os.urandom(2 << 20))
+    elif kind == "foreign":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give a file to another user (chown)")
+        name.write_bytes(_trace_bytes())
+        os.chown(name, 65534, 65534)
+    with pytest.raises(CaptureError) as e:
+        s._take(p)
+    assert "\n" not in str(e.value)
+    assert s.path is None, "no private copy of a refused trace"
+    assert target.read_bytes() == _trace_bytes(), "the link's target untouched"
+    if kind in ("symlink", "fifo", "hardlink", "foreign"):
+        assert os.path.lexists(name), "not the process's file: not removed"
+
+
+def test_screening_that_meets_a_hostile_trace_fails_once_and_the_learner_searches_on(tmp_path, monkeypatch):
+    import hakmem.capture as C
+    s, p, name = _screen_taking(tmp_path)
+    os.symlink(tmp_path / "elsewhere", name)
+    s.state, s.proc, s.t_started, s.deadline = s.CAPTURE, p, 0.0, 1e9
+    monkeypatch.setattr(C, "answer", lambda ring, req: (C.DONE, 0))
+    assert s.step([p], 1.0) == []
+    assert s.state == s.FAILED and "4242-77.trace-3" in s.why and "\n" not in s.why
+    assert s.step([p], 2.0) is None, "failed once, then quiet"

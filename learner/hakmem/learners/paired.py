@@ -47,6 +47,8 @@ import math
 
 import numpy as np
 
+from .base import _pct
+
 CONFIDENCE = 0.95
 MAX_LOOKS = 5
 # One-sided Student t quantiles at 1 - 0.05/5 = 0.99 (five looks: pairs 2..6),
@@ -198,5 +200,5 @@ class Paired:
 
     def describe(self) -> str:
         n = len(self.pairs)
-        return (f"cost {self.relative * 100:+.1f}% vs incumbent over {n} A/B pair{'s' if n != 1 else ''} "
+        return (f"cost {_pct(self.relative)} vs incumbent over {n} A/B pair{'s' if n != 1 else ''} "
                 f"of {self.block} window{'s' if self.block != 1 else ''} (t {self.t:+.1f})")

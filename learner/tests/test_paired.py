@@ -188,3 +188,21 @@ def test_a_burst_spanning_two_windows_is_priced_per_block_not_per_window():
         if v in VERDICTS:
             break
     assert per_window.relative < -0.3, per_window.pairs
+
+
+def test_learnd_logs_a_verdict_that_leaves_the_incumbent_in_force(tmp_path, monkeypatch, capsys):
+    """An A/B trial may end on one of the incumbent's blocks: its rollback
+    changes nothing in force, and is news all the same (policy explain and
+    the event stream show every verdict)."""
+    from hakmem.daemon import Program
+    from hakmem.learning import Decision
+    from test_objective import daemon
+    d = daemon(tmp_path, monkeypatch, None)
+    ctx = make_ctx()
+    prog = Program(key="/usr/bin/x", exe="/usr/bin/x", build_id="b", users="0", header={})
+    prog.ctx, prog.default, prog.target = ctx, ctx.default, ctx.clamp(ctx.default)
+    d._decide(prog, Decision(ctx.default, "rollback", "reject (within noise): cost +0.3% over 6 A/B pairs"))
+    d._decide(prog, Decision(ctx.default, "ab", "A/B: the incumbent for 1 window"))
+    err = capsys.readouterr().err
+    assert "policy_rolled_back x: reject (within noise)" in err, err
+    assert "A/B: the incumbent" not in err, "a switch to what is already in force is not an event"

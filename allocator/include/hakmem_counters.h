@@ -24,8 +24,9 @@
   X(slabs_to_os, "empty slabs returned to the OS (madvise)") \
   X(live_bytes, "gauge: bytes in blocks handed out and not yet freed") \
   X(cached_bytes, "gauge: bytes in blocks parked in thread caches") \
-  X(slow_ns, "nanoseconds spent in refill/drain slow paths") \
-  X(checkins, "thread-cache check-ins: a bin's countdown ran out (alloc.c \"check-in\")")
+  X(slow_ns, "nanoseconds spent in refill/drain slow paths, less their time in the kernel (memory calls, the faults of fresh_pages): learnd prices that from the OS call and fault counts") \
+  X(checkins, "thread-cache check-ins: a bin's countdown ran out (alloc.c \"check-in\")") \
+  X(fresh_pages, "OS pages of never-touched or returned memory that a refill wrote first, linking blocks into them: their faults are kernel time, left out of slow_ns")
 
 /* Per process. */
 #define HK_PROC_COUNTERS(X) \

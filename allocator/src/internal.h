@@ -77,6 +77,8 @@
 
 /* ---- globals (defined in thread.c / classes.c / segment.c / slab.c / options.c / init.c) */
 extern __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
+/* Ticks in the kernel for the allocator, this thread (prim.c). */
+extern __thread uint64_t _hk_kernel_ticks __attribute__((tls_model("initial-exec")));
 /* One byte per 4 MiB of the 47-bit address space (32 MiB of .bss: pages of
  * it that are never written are never committed). */
 extern uint8_t _hk_map[HK_MAP_ENTRIES];

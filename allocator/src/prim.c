@@ -20,10 +20,22 @@
 
 #include "internal.h"
 
+/* Ticks this thread spent in the kernel on the allocator's behalf: the
+ * memory calls below and the faults of fresh pages (slab.c take_blocks).
+ * learnd prices that time from the process's OS calls and faults, so the
+ * slow paths leave it out of slow_ns (slab.c), or it would count twice. */
+__thread uint64_t _hk_kernel_ticks __attribute__((tls_model("initial-exec")));
+
+#define KERNEL_TIMED(call) ({                                  \
+    uint64_t k0_ = _hk_os_ticks();                             \
+    __typeof__(call) r_ = (call);                              \
+    _hk_kernel_ticks += _hk_os_ticks() - k0_;                  \
+    r_; })
+
 static int map_raw(size_t len, bool reserve, void** out) {
   hk_add_relaxed(&_hk_proc.mmap_calls, 1);
-  void* p = mmap(NULL, len, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | (reserve ? MAP_NORESERVE : 0), -1, 0);
+  void* p = KERNEL_TIMED(mmap(NULL, len, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS | (reserve ? MAP_NORESERVE : 0), -1, 0));
   if (p == MAP_FAILED) { *out = NULL; return errno ? errno : ENOMEM; }
   *out = p;
   return 0;
@@ -32,7 +44,7 @@ static int map_raw(size_t len, bool reserve, void** out) {
 int _hk_os_unmap(void* p, size_t len) {
   if (len == 0) return 0;
   hk_add_relaxed(&_hk_proc.munmap_calls, 1);
-  return munmap(p, len) == 0 ? 0 : errno;
+  return KERNEL_TIMED(munmap(p, len)) == 0 ? 0 : errno;
 }
 
 #ifndef MAP_FIXED_NOREPLACE
@@ -43,8 +55,9 @@ int _hk_os_unmap(void* p, size_t len) {
  * the kernel put them elsewhere (a kernel without MAP_FIXED_NOREPLACE). */
 static int map_at(void* at, size_t len, bool reserve, void** out) {
   hk_add_relaxed(&_hk_proc.mmap_calls, 1);
-  void* p = mmap(at, len, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE | (reserve ? MAP_NORESERVE : 0), -1, 0);
+  void* p = KERNEL_TIMED(mmap(at, len, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE | (reserve ? MAP_NORESERVE : 0),
+                              -1, 0));
   *out = NULL;
   if (p == MAP_FAILED) return errno ? errno : ENOMEM;
   if (p != at) { _hk_os_unmap(p, len); return ENOMEM; }
@@ -105,18 +118,18 @@ int _hk_os_unmap_file(void* p, size_t len) { return _hk_os_unmap(p, len); }
 int _hk_os_decommit(void* p, size_t len) {
   if (len == 0) return 0;
   hk_add_relaxed(&_hk_proc.madvise_calls, 1);
-  return madvise(p, len, MADV_DONTNEED) == 0 ? 0 : errno;
+  return KERNEL_TIMED(madvise(p, len, MADV_DONTNEED)) == 0 ? 0 : errno;
 }
 
 int _hk_os_grow_in_place(void* p, size_t old_len, size_t new_len) {
   hk_add_relaxed(&_hk_proc.mmap_calls, 1);
-  void* q = mremap(p, old_len, new_len, 0);
+  void* q = KERNEL_TIMED(mremap(p, old_len, new_len, 0));
   return q == MAP_FAILED ? errno : 0;
 }
 
 int _hk_os_move(void* p, size_t len, void* dst) {
   hk_add_relaxed(&_hk_proc.mmap_calls, 1);
-  void* q = mremap(p, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst);
+  void* q = KERNEL_TIMED(mremap(p, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst));
   return q == MAP_FAILED ? errno : 0;
 }
 

@@ -181,7 +181,12 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   slab->used = 0;
   slab->capacity = ci->slab_blocks;
   slab->owner = 0;
-  slab->cls = (uint16_t)cls;
+  slab->cls = (uint8_t)cls;
+  /* Pages kept dirty are resident up to where their last slab's blocks
+   * reached; a slab with any page that is not (fresh, or given back) is
+   * counted as cold throughout: the refills that first write its pages
+   * take their faults (see fresh_pages in take_blocks). */
+  slab->cold = reused < k;
   slab->pages = (uint8_t)k;
   slab->state = HK_SLAB_PARTIAL;
   /* For memcheck, nothing in a new slab is addressable until take_blocks

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #define HK_SHM_MAGIC          0x3130474e49524b48ull  /* "HKRING01" little-endian */
-#define HK_SHM_LAYOUT_VERSION 4u
+#define HK_SHM_LAYOUT_VERSION 5u
 #define HK_SHM_NUM_CLASSES    61u
 #define HK_SHM_RING_SLOTS     128u
 #define HK_SHM_HEADER_SIZE    4096u
@@ -58,10 +58,11 @@ typedef struct {
   uint64_t slabs_to_os;  /* @104: empty slabs returned to the OS (madvise) */
   uint64_t live_bytes;  /* @112: gauge: bytes in blocks handed out and not yet freed */
   uint64_t cached_bytes;  /* @120: gauge: bytes in blocks parked in thread caches */
-  uint64_t slow_ns;  /* @128: nanoseconds spent in refill/drain slow paths */
+  uint64_t slow_ns;  /* @128: nanoseconds spent in refill/drain slow paths, less their time in the kernel (memory calls, the faults of fresh_pages): learnd prices that from the OS call and fault counts */
   uint64_t checkins;  /* @136: thread-cache check-ins: a bin's countdown ran out (alloc.c "check-in") */
+  uint64_t fresh_pages;  /* @144: OS pages of never-touched or returned memory that a refill wrote first, linking blocks into them: their faults are kernel time, left out of slow_ns */
 } hk_shm_class_t;
-_Static_assert(sizeof(hk_shm_class_t) == 144, "class_counters size");
+_Static_assert(sizeof(hk_shm_class_t) == 152, "class_counters size");
 _Static_assert(offsetof(hk_shm_class_t, allocs) == 0, "class_counters.allocs");
 _Static_assert(offsetof(hk_shm_class_t, hits) == 8, "class_counters.hits");
 _Static_assert(offsetof(hk_shm_class_t, frees) == 16, "class_counters.frees");
@@ -80,6 +81,7 @@ _Static_assert(offsetof(hk_shm_class_t, live_bytes) == 112, "class_counters.live
 _Static_assert(offsetof(hk_shm_class_t, cached_bytes) == 120, "class_counters.cached_bytes");
 _Static_assert(offsetof(hk_shm_class_t, slow_ns) == 128, "class_counters.slow_ns");
 _Static_assert(offsetof(hk_shm_class_t, checkins) == 136, "class_counters.checkins");
+_Static_assert(offsetof(hk_shm_class_t, fresh_pages) == 144, "class_counters.fresh_pages");
 
 typedef struct {
   uint64_t seq;  /* @0: even when the slot is stable, odd while being written */
@@ -88,7 +90,7 @@ typedef struct {
   hk_shm_proc_t proc;  /* @24: process counters */
   hk_shm_class_t cls[61];  /* @112: per-class counters */
 } hk_shm_record_t;
-_Static_assert(sizeof(hk_shm_record_t) == 8896, "record size");
+_Static_assert(sizeof(hk_shm_record_t) == 9384, "record size");
 _Static_assert(offsetof(hk_shm_record_t, seq) == 0, "record.seq");
 _Static_assert(offsetof(hk_shm_record_t, index) == 8, "record.index");
 _Static_assert(offsetof(hk_shm_record_t, time_ns) == 16, "record.time_ns");
@@ -242,6 +244,7 @@ _Static_assert(offsetof(hk_shm_header_t, _reserved) == 1208, "header._reserved")
   X(hk_shm_class_t, cached_bytes) \
   X(hk_shm_class_t, slow_ns) \
   X(hk_shm_class_t, checkins) \
+  X(hk_shm_class_t, fresh_pages) \
   X(hk_shm_record_t, seq) \
   X(hk_shm_record_t, index) \
   X(hk_shm_record_t, time_ns) \

@@ -86,10 +86,12 @@ typedef struct hk_slab_s {
   uint32_t  used;        /* blocks out of the slab */
   uint32_t  capacity;    /* blocks that fit */
   uint32_t  owner;       /* tid of the thread that last refilled from it */
-  uint16_t  cls;
+  uint8_t   cls;
+  uint8_t   cold;        /* carved from pages not resident: its never-used blocks fault in (fresh_pages) */
   uint8_t   pages;       /* span length, pages */
   uint8_t   state;       /* HK_SLAB_* */
 } hk_slab_t;
+_Static_assert(HK_NUM_CLASSES <= 256, "hk_slab_t.cls is a byte");
 
 /* ---- segment ------------------------------------------------------------- */
 typedef struct hk_segment_s {

@@ -126,7 +126,7 @@ class Config:
     pool_users: tuple = ()              # uids, sorted: their processes share one program
     metrics: str | None = None          # Prometheus endpoint, HOST:PORT ("": 127.0.0.1:9711); None: off
     screen: bool = True                 # rank a cold program's candidates by replaying a trace of it (screen.py)
-    screen_jobs: int = 4                # replays at once while screening (most sleep through the trace's idle gaps)
+    screen_jobs: int = 24               # at most this many replays at once while screening; fewer where memory is short (screen.py jobs_for)
 
     def for_program(self, exe: str) -> ProgramConfig:
         return self.programs.get(exe) or self.programs.get(os.path.basename(exe)) or ProgramConfig()

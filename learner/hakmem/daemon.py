@@ -249,6 +249,9 @@ class Daemon:
         import zmq
         from . import control
         self.lock_fd = control.lock_run_dir(self.cfg.run_dir)     # held for life
+        from .screen import sweep_stale
+        if sweep_stale():
+            self.log("info", "removed screening traces a learnd that is gone left behind")
         self.zctx = zmq.Context()
         self.rep, self.pub = control.bind(self.zctx, self.cfg.run_dir)
         self.backend = _live_backend(self)

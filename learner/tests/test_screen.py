@@ -245,3 +245,98 @@ def test_screening_that_meets_a_hostile_trace_fails_once_and_the_learner_searche
     assert s.step([p], 1.0) == []
     assert s.state == s.FAILED and "4242-77.trace-3" in s.why and "\n" not in s.why
     assert s.step([p], 2.0) is None, "failed once, then quiet"
+
+
+# ---- how long a capture runs, how many replays at once, what ranks them ---------
+@pytest.mark.parametrize("allocs,seconds", [
+    ([500, 14000, 0, 14000], 8),  # a burst every 2 s against 1 s windows: intermittent
+    ([500, 0, 14000], 8),         # (asked in a window that allocated)
+    ([500, 14000, 3000], 8),     # under a quarter of the busiest window
+    ([5, 12000, 9000], 2),       # steady; the first, partial window is not judged
+    ([0, 9000, 9000], 2),
+])
+def test_an_intermittent_program_is_traced_long_enough_to_hold_bursts(monkeypatch, allocs, seconds):
+    import types
+    import hakmem.capture as C
+    asked = []
+    monkeypatch.setattr(C, "request", lambda ring, secs, max_bytes: asked.append(secs) or 1)
+    s = Screen(make_ctx(), "/nonexistent", None, None)
+    p = types.SimpleNamespace(pid=1, ring=types.SimpleNamespace(alive=True), last_allocs=0.0, last_rss=0.0)
+    for a in allocs:
+        p.last_allocs = float(a)
+        assert s.step([p], 0.0) is None
+    assert asked == [seconds] and s.capture_s == seconds and s.state == s.CAPTURE
+    assert s.intermittent == (seconds == 8)
+
+
+def test_replays_run_side_by_side_as_far_as_memory_holds_them(monkeypatch):
+    import hakmem.screen as S
+    assert 0 < S._mem_available() or not os.path.exists("/proc/meminfo")
+    s = Screen(make_ctx(), "/nonexistent", None, None, jobs=24)
+    monkeypatch.setattr(S, "_mem_available", lambda: 24 << 30)
+    s.rss_bytes = 100 << 20
+    assert s.jobs_for(17) == 17                      # 17 x 132 MiB within 6 GiB
+    s.rss_bytes = 2 << 30
+    assert s.jobs_for(17) == 2                       # a 2 GiB process: 6 GiB holds 2
+    s.rss_bytes = 64 << 30
+    assert s.jobs_for(17) == 1                       # never none
+    monkeypatch.setattr(S, "_mem_available", lambda: 0)
+    assert s.jobs_for(17) == 17                      # unreadable: the configured bound
+    assert Screen(make_ctx(), "/x", None, None, jobs=4).jobs_for(17) == 4
+
+
+def test_screening_ranks_by_replay_cpu_time_not_by_slow_path_wall_time(tmp_path, monkeypatch):
+    """Side by side, a replay waiting for a CPU or faulting in a page inside
+    the slow path puts wall-clock time into slow_ns; its CPU time holds what
+    it cost. Here policy B's slow_ns is ten times A's (it waited), its CPU
+    time lower: B ranks first, with its spread over the runs."""
+    import hakmem.replay as R
+    from hakmem.objective import Objective, Prices
+    trace = tmp_path / "t.trace"
+    trace.write_bytes(b"x")
+    facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
+                         class_size=list(make_ctx().class_size), duration_s=2.0,
+                         allocs=__import__("numpy").zeros(len(make_ctx().class_size)), events=10, mode="full")
+    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False: facts)
+
+    def fake_run(path, knobs, **kw):
+        slow, cpus = (1e6, (0.20, 0.21)) if knobs["drain_ms"] == 1000 else (1e7, (0.10, 0.12))
+        return {"runs": [{"counters": {"slow_ns": slow}, "minflt": 0, "os_calls": 0, "cpu_s": c,
+                          "mean_rss_bytes": 1 << 20} for c in cpus], "policy": {}}
+    monkeypatch.setattr(R, "run_replayer", fake_run)
+    import hakmem.screen as S
+    monkeypatch.setattr(S, "STAGGER_S", 0.0)
+    ctx = make_ctx()
+    slow_drain = ctx.default.to_dict() | {"drain_ms": 100}
+    monkeypatch.setattr(S, "policies", lambda ctx, hot: [("default", ctx.default), ("B", ctx.clamp(slow_drain))])
+    s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices())
+    s.path, s.uid = str(trace), os.geteuid()
+    ranked = s._replay_all()
+    assert [r.label for r in ranked] == ["B", "default"]
+    by = {r.label: r for r in ranked}
+    mem = Objective(lam=0.5).mem_cost(1 << 20)
+    assert by["B"].cost == pytest.approx(0.11 / 2.0 + mem)
+    assert by["B"].spread == pytest.approx((0.12 - 0.10) / 2.0 / (0.11 / 2.0 + mem))
+    assert by["default"].time_cost == pytest.approx(0.205 / 2.0)
+    old = {lb: r.cost for (rk, r), lb in zip(s.results, ["default", "B"])}
+    assert old["B"] > old["default"], "by slow_ns the order would be the other way"
+
+
+def test_a_learnd_that_is_gone_leaves_no_screening_trace_behind(tmp_path):
+    from hakmem.screen import sweep_stale
+    dead = 2 ** 22 + 12345                      # above pid_max's default: no such process
+    while os.path.exists(f"/proc/{dead}"):
+        dead += 1
+    stale = tmp_path / f"hakmem-screen-{dead}-abc.trace"
+    stale.write_bytes(b"x" * 100)
+    mine = tmp_path / f"hakmem-screen-{os.getpid()}-def.trace"     # a screening under way
+    mine.write_bytes(b"y")
+    other = tmp_path / f"hakmem-screen-{dead}-lnk.trace"            # a link: not followed, not removed
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"z")
+    os.symlink(victim, other)
+    unrelated = tmp_path / f"notes-{dead}.trace"
+    unrelated.write_bytes(b"n")
+    assert sweep_stale(str(tmp_path)) == 1
+    assert not stale.exists() and mine.exists() and os.path.lexists(other) and victim.exists() and unrelated.exists()
+    assert sweep_stale(str(tmp_path / "missing")) == 0

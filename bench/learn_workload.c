@@ -35,7 +35,8 @@
  *                 written, held `hold_ms` (100), freed, then idle. What the
  *                 allocator keeps of a spike (up to 1 MiB of blocks per class
  *                 in the thread cache, 1 MiB of empty slabs per class in the
- *                 warm pools) stays resident through the idle time, and at a
+ *                 warm pools, up to 32 MiB of freed pages below them) stays
+ *                 resident through the idle time, and at a
  *                 price per GiB that costs more than faulting it in again at
  *                 the next spike. Wants: shallow caches and empty warm pools,
  *                 the other side of phases.

@@ -66,7 +66,8 @@ HK_API unsigned hk_size_class(size_t size);
  * units and bounds from schemas/shm_layout.json; today:
  * tcache_cap:   blocks a thread may cache per class; over it, a drain.
  * tcache_batch: blocks moved per refill or drain.
- * warm_slabs:   empty slabs a class keeps for reuse before returning them.
+ * warm_slabs:   empty slabs a class keeps for reuse before returning them;
+ *               fewer in all than the default also keep fewer freed pages.
  * drain_ms:     after this many ms an active thread returns the part of its
  *               caches it did not use since the previous interval.
  * Every value is validated against hk_policy_bounds(); hk_policy_set rejects

@@ -226,6 +226,9 @@ hk_slab_t* _hk_slab_carve(unsigned cls);               /* NULL on OOM */
 void       _hk_slab_release(hk_slab_t* slab);          /* pages back to OS */
 bool       _hk_segment_trim(void);                   /* dirty pages and cached segments back */
 void       _hk_segment_decay(void);                  /* dirty pages idle for an interval back */
+#define HK_DIRTY_SHARE_ONE 1024u
+void       _hk_segment_dirty_share(uint32_t share);   /* dirty cap × share/HK_DIRTY_SHARE_ONE (the policy's) */
+void       _hk_segment_fit_dirty(void);              /* dirty pages over the cap back now */
 void       _hk_segment_lock(void);
 void       _hk_segment_unlock(void);
 void       _hk_segment_reinit_lock(void);

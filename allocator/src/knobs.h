@@ -31,7 +31,7 @@ static inline uint32_t _hk_knob_clamp(uint64_t v, uint32_t lo, uint32_t hi) {
 #define HK_KNOB_TCACHE_BATCH_AT_MOST(p, cls) ((p)->tcache_cap[cls] > 1u ? (p)->tcache_cap[cls] : 1u)
 #define HK_KNOB_TCACHE_BATCH_DEFAULT(size, slab, p, cls) _hk_knob_clamp((uint64_t)(p)->tcache_cap[cls] / 2u, 1u, 256u)
 
-/* warm_slabs (slabs): empty slabs a class keeps for reuse before returning them to the OS (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) */
+/* warm_slabs (slabs): empty slabs a class keeps for reuse before returning them to the OS; fewer in all than the default also shrink, in proportion, the freed pages kept for any size (none keeps none) (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) */
 #define HK_KNOB_WARM_SLABS_MIN 0u
 #define HK_KNOB_WARM_SLABS_MAX(size, slab) _hk_knob_clamp(67108864ull / (slab), 1u, 1024u)
 #define HK_KNOB_WARM_SLABS_AT_MOST(p, cls) UINT32_MAX

@@ -214,10 +214,35 @@ static bool policy_valid(const hk_policy_t* p) {
   return true;
 }
 
+/* Pages of empty slabs a policy lets the classes keep (warm_slabs × slab). */
+static uint64_t warm_pages(const hk_policy_t* p) {
+  uint64_t n = 0;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) n += (uint64_t)p->warm_slabs[cls] * _hk_class[cls].slab_pages;
+  return n;
+}
+
+/* The dirty pages (segment.c) are the warm pool of every size, so a policy
+ * that keeps fewer empty slabs than the default keeps fewer of them too, in
+ * proportion: one that keeps none keeps no freed pages resident at all
+ * (otherwise warm=0 only moved up to 32 MiB from the class pools into the
+ * dirty pages, and a program that idles between spikes could not be told
+ * to keep nothing). A policy at or above the default leaves the cap as is. */
+static uint32_t dirty_share_of(const hk_policy_t* p) {
+  uint64_t def = 0;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    uint64_t size = size_of(cls), slab = slab_of(cls);
+    def += (uint64_t)knob_fit(HK_KNOB_WARM_SLABS_DEFAULT(size, slab, p, cls), HK_KNOB_WARM_SLABS_MIN,
+                              HK_KNOB_WARM_SLABS_MAX(size, slab), UINT32_MAX) * _hk_class[cls].slab_pages;
+  }
+  uint64_t have = warm_pages(p);
+  return def == 0 || have >= def ? HK_DIRTY_SHARE_ONE : (uint32_t)(have * HK_DIRTY_SHARE_ONE / def);
+}
+
 static void install(const hk_policy_t* p) {
   live = *p;
   for (unsigned cls = 0; cls < HK_NUM_CLASSES; cls++)
     hk_store_relaxed(&_hk_warm_limit[cls], cls ? p->warm_slabs[cls] : 0);
+  _hk_segment_dirty_share(dirty_share_of(p));
   uint64_t v = hk_load_relaxed(&live_version) + 1;
   live.version = v;
   hk_store_release(&live_version, v);
@@ -286,6 +311,7 @@ HK_EXPORT uint64_t hk_policy_set(const hk_policy_t* p) {
   install(p);
   uint64_t v = live.version;
   _hk_unlock(&policy_lock);
+  _hk_segment_fit_dirty();   /* a lowered share takes effect now, not at the next decay */
   return v;
 }
 

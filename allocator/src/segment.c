@@ -25,7 +25,9 @@
  * interval go back by the decay pass (_hk_segment_decay, from slab.c's
  * warm-pool decay); malloc_trim and an out-of-memory retry give back all
  * of them; and the dirty total is capped at a fraction of what the
- * process has committed, so it cannot double a small heap.
+ * process has committed, so it cannot double a small heap. The policy
+ * scales that cap: one that keeps fewer empty slabs than the default keeps
+ * fewer dirty pages in proportion (options.c: dirty_share_of).
  */
 #include "internal.h"
 #include "prim.h"
@@ -199,11 +201,23 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   return slab;
 }
 
-/* Whether k more dirty pages fit under the cap. */
-static bool dirty_room(unsigned k) {
+/* The policy's share of the cap (options.c: dirty_share_of), out of
+ * HK_DIRTY_SHARE_ONE. */
+static _Atomic uint32_t dirty_share = HK_DIRTY_SHARE_ONE;
+
+void _hk_segment_dirty_share(uint32_t share) {
+  hk_store_relaxed(&dirty_share, share < HK_DIRTY_SHARE_ONE ? share : HK_DIRTY_SHARE_ONE);
+}
+
+static uint64_t dirty_cap(void) {
   uint64_t cap = (hk_load_relaxed(&_hk_proc.committed_bytes) >> HK_PAGE_SHIFT) / DIRTY_SHARE;
   if (cap < DIRTY_MIN_PAGES) cap = DIRTY_MIN_PAGES;
-  return hk_load_relaxed(&dirty_total) + k <= cap;
+  return cap * hk_load_relaxed(&dirty_share) / HK_DIRTY_SHARE_ONE;
+}
+
+/* Whether k more dirty pages fit under the cap. */
+static bool dirty_room(unsigned k) {
+  return hk_load_relaxed(&dirty_total) + k <= dirty_cap();
 }
 
 void _hk_slab_release(hk_slab_t* slab) {
@@ -302,6 +316,10 @@ static bool give_back_dirty(int pick) {
 
 void _hk_segment_decay(void) {
   if (hk_load_relaxed(&dirty_total) != 0) give_back_dirty(DECAY_OLD);
+}
+
+void _hk_segment_fit_dirty(void) {
+  while (hk_load_relaxed(&dirty_total) > dirty_cap() && give_back_dirty(DECAY_ALL)) {}
 }
 
 bool _hk_segment_trim(void) {

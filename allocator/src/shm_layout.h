@@ -104,7 +104,7 @@ typedef struct {
   uint32_t flags;  /* @20: 0 */
   uint32_t tcache_cap[61];  /* @24: blocks, blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those) (class 0: 0) */
   uint32_t tcache_batch[61];  /* @268: blocks, blocks moved per refill or drain (default: cap/2, at most 256) (class 0: 0) */
-  uint32_t warm_slabs[61];  /* @512: slabs, empty slabs a class keeps for reuse before returning them to the OS (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) (class 0: 0) */
+  uint32_t warm_slabs[61];  /* @512: slabs, empty slabs a class keeps for reuse before returning them to the OS; fewer in all than the default also shrink, in proportion, the freed pages kept for any size (none keeps none) (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) (class 0: 0) */
   uint32_t _pad0;  /* @756 */
 } hk_shm_policy_slot_t;
 _Static_assert(sizeof(hk_shm_policy_slot_t) == 760, "policy_slot size");

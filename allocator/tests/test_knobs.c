@@ -16,6 +16,7 @@
 #include "harness.h"
 
 static hk_stats_t st0, st1;
+static hk_policy_t start_policy;   /* the default: main reads it before any test */
 static void sleep_ms(int ms);
 
 static void snap(hk_stats_t* s) { hk_stats_get(s); }
@@ -34,6 +35,20 @@ static void set_all(uint32_t cap, uint32_t batch, uint32_t warm, uint32_t drain_
   p.drain_ms = drain_ms;
   uint64_t v = hk_policy_set(&p);
   if (v == 0) harness_say("  policy rejected unexpectedly\n");
+}
+
+/* Empty warm pools for the classes of sizes a and b only; every other class
+ * keeps its largest pool, so the policy keeps at least the default's empty
+ * memory and the page level its whole dirty cap (options.c: dirty_share_of). */
+static void warm_zero_only(size_t a, size_t b) {
+  hk_policy_t p;
+  hk_policy_get(&p);
+  for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
+    hk_policy_bounds_t bd;
+    hk_policy_bounds(c, &bd);
+    p.warm_slabs[c] = c == hk_size_class(a) || c == hk_size_class(b) ? 0 : bd.warm_max;
+  }
+  if (hk_policy_set(&p) == 0) harness_say("  policy rejected unexpectedly\n");
 }
 
 /* Batches of 100 allocations then 100 frees, as servers handle requests. */
@@ -97,6 +112,7 @@ static void slab_churn(size_t size, int rounds) {
 TEST(warm_pool_zero_sends_slab_churn_to_the_page_level) {
   unsigned c = hk_size_class(1000);
   set_all(16, 8, 0, 0);
+  warm_zero_only(1000, 1000);
   slab_churn(1000, 2);
   snap(&st0);
   slab_churn(1000, 10);
@@ -130,6 +146,7 @@ static long minor_faults(void) {
  * blocks written whole. Without the dirty pages that is ~750 faults. */
 TEST(freed_pages_serve_another_class_without_faults) {
   set_all(16, 8, 0, 0);
+  warm_zero_only(1000, 3000);
   malloc_trim(0);
   enum { N = 3000 };
   static void* p[N];
@@ -149,6 +166,7 @@ TEST(freed_pages_serve_another_class_without_faults) {
  * themselves, while another class keeps the slow paths running. */
 TEST(idle_dirty_pages_go_back_within_two_intervals) {
   set_all(16, 8, 0, 50);
+  warm_zero_only(1000, 1000);
   malloc_trim(0);
   slab_churn(1000, 1);     /* ~3 MiB of dirty pages */
   hk_stats_t a, b;
@@ -166,6 +184,69 @@ TEST(idle_dirty_pages_go_back_within_two_intervals) {
   CHECK(b.madvise_calls > a.madvise_calls);
   CHECK(a.committed_bytes >= b.committed_bytes + 2 * 1024 * 1024);
   set_all(16, 8, 0, 0);
+}
+
+/* A policy that keeps no empty slabs keeps no freed pages either: the
+ * slabs a churn empties go back to the OS as they are released, and what
+ * the page level held when the policy came in goes back at once, so
+ * resident memory follows the policy within the call that sets it. */
+TEST(keeping_no_empty_slabs_keeps_no_dirty_pages) {
+  set_all(16, 8, 0, 0);
+  warm_zero_only(1000, 1000);
+  malloc_trim(0);
+  slab_churn(1000, 1);                  /* ~3 MiB of dirty pages */
+  hk_stats_t a, b, c;
+  snap(&a);
+  set_all(16, 8, 0, 0);                 /* no class keeps an empty slab */
+  snap(&b);
+  harness_say("  policy of no warm pools: committed %llu -> %llu KiB, %llu madvise\n",
+              (unsigned long long)a.committed_bytes >> 10, (unsigned long long)b.committed_bytes >> 10,
+              (unsigned long long)(b.madvise_calls - a.madvise_calls));
+  CHECK(a.committed_bytes >= b.committed_bytes + 2 * 1024 * 1024);
+  slab_churn(1000, 4);
+  snap(&c);
+  uint64_t madv = c.madvise_calls - b.madvise_calls;
+  uint64_t to_os = c.cls[hk_size_class(1000)].slabs_to_os - b.cls[hk_size_class(1000)].slabs_to_os;
+  harness_say("  churn under it: %llu slabs released, %llu madvise, committed %llu KiB after\n",
+              (unsigned long long)to_os, (unsigned long long)madv, (unsigned long long)c.committed_bytes >> 10);
+  CHECK(to_os >= 4 * 40);
+  CHECK(madv >= to_os);                 /* each released slab went back */
+  CHECK(c.committed_bytes <= b.committed_bytes + 512 * 1024);
+}
+
+/* Halving every class's warm pool from the default halves the dirty cap:
+ * 64 MiB of 1000-byte blocks freed leaves 16 MiB dirty, not 32. */
+TEST(the_dirty_cap_follows_the_policys_warm_pools) {
+  set_all(16, 8, 0, 0);
+  hk_policy_t p;
+  hk_policy_get(&p);
+  uint64_t dirty[2];
+  for (int half = 0; half < 2; half++) {
+    /* the default's pools, then half of each */
+    for (unsigned c = 1; c < HK_NUM_CLASSES; c++)
+      p.warm_slabs[c] = half ? start_policy.warm_slabs[c] / 2 : start_policy.warm_slabs[c];
+    p.warm_slabs[hk_size_class(1000)] = 0;
+    REQUIRE(hk_policy_set(&p) != 0);
+    malloc_trim(0);
+    hk_stats_t a, b;
+    snap(&a);
+    /* One block in every 1024 stays live, so no segment empties whole (an
+     * empty segment is unmapped, dirty pages and all): 64 slabs, 4 MiB. */
+    enum { N = 64 * 1024, PIN_EVERY = 1024 };
+    static void* blk[N];
+    for (int i = 0; i < N; i++) { blk[i] = malloc(1000); memset(blk[i], 1, 1000); }
+    for (int i = 0; i < N; i++)
+      if (i % PIN_EVERY) free(blk[i]);
+    hk_thread_flush();
+    snap(&b);
+    dirty[half] = b.committed_bytes - a.committed_bytes;
+    for (int i = 0; i < N; i += PIN_EVERY) free(blk[i]);
+  }
+  harness_say("  kept after 64 MiB freed: default pools %llu KiB, half of them %llu KiB\n",
+              (unsigned long long)dirty[0] >> 10, (unsigned long long)dirty[1] >> 10);
+  CHECK(dirty[0] >= 31ull << 20 && dirty[0] <= 39ull << 20);   /* 32 MiB and the pins' 4 MiB */
+  CHECK(dirty[1] >= 15ull << 20 && dirty[1] <= 23ull << 20);
+  malloc_trim(0);
 }
 
 TEST(large_warm_pool_keeps_slab_churn_off_the_os) {
@@ -458,11 +539,14 @@ TEST(check_mode_disables_thread_caches) {
 int main(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], "report") == 0) return child_report();
   if (argc > 1 && strcmp(argv[1], "caps") == 0) return child_caps();
+  hk_policy_get(&start_policy);
   RUN(capacity_one_makes_nearly_every_allocation_a_refill);
   RUN(large_capacity_makes_refills_rare);
   RUN(warm_pool_zero_sends_slab_churn_to_the_page_level);
   RUN(freed_pages_serve_another_class_without_faults);
   RUN(idle_dirty_pages_go_back_within_two_intervals);
+  RUN(keeping_no_empty_slabs_keeps_no_dirty_pages);
+  RUN(the_dirty_cap_follows_the_policys_warm_pools);
   RUN(large_warm_pool_keeps_slab_churn_off_the_os);
   RUN(drain_interval_returns_idle_caches);
   RUN(drain_interval_shrinks_idle_warm_pools);

@@ -166,8 +166,10 @@ KNOBS = [{'name': 'tcache_cap',
   'bounds': 'warm',
   'env': 'HAKMEM_WARM_SLABS',
   'unit': 'slabs',
-  'desc': 'empty slabs a class keeps for reuse before returning them to the OS (default: 1 MiB '
-          'worth up to 128 KiB blocks, none above: freed pages of any size serve those)',
+  'desc': 'empty slabs a class keeps for reuse before returning them to the OS; fewer in all than '
+          'the default also shrink, in proportion, the freed pages kept for any size (none keeps '
+          'none) (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size '
+          'serve those)',
   'min': 0,
   'max': {'worth': 67108864, 'per': 'slab', 'lo': 1, 'hi': 1024},
   'default': [{'size_max': 131072, 'worth': 1048576, 'per': 'slab', 'lo': 1, 'hi': 1024},

@@ -544,7 +544,7 @@ static void load_policy(hk_policy_t* p) {
 typedef struct {
   trace_info_t info;
   hk_policy_t policy;
-  double wall_s, cpu_s, idle_s;
+  double wall_s, cpu_s, user_s, idle_s;   /* user_s: cpu_s less the kernel's part */
   uint64_t peak_rss, base_rss, minflt, majflt, ops;
   uint64_t mean_rss;      /* resident memory above base_rss, averaged over the replay's wall time */
   uint64_t proc[64];
@@ -667,6 +667,7 @@ static int run_once(int out_fd) {
   r.wall_s = (double)(t1 - t0) * 1e-9;
   r.idle_s = (double)atomic_load(&idle_ns) * 1e-9;
   r.cpu_s = cpu_seconds(&u1) - cpu_seconds(&u0);
+  r.user_s = (double)(u1.ru_utime.tv_sec - u0.ru_utime.tv_sec) + (u1.ru_utime.tv_usec - u0.ru_utime.tv_usec) * 1e-6;
   r.minflt = (uint64_t)(u1.ru_minflt - u0.ru_minflt);
   r.majflt = (uint64_t)(u1.ru_majflt - u0.ru_majflt);
   r.ops = atomic_load(&ops_done);
@@ -767,10 +768,10 @@ static void print_json(run_t* runs, int n) {
          pace_idle ? "idle" : "none", n);
   for (int k = 0; k < n; k++) {
     run_t* r = &runs[k];
-    printf("%s\n  {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"idle_s\": %.6f, \"peak_rss_bytes\": %" PRIu64
+    printf("%s\n  {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"user_s\": %.6f, \"idle_s\": %.6f, \"peak_rss_bytes\": %" PRIu64
            ", \"mean_rss_bytes\": %" PRIu64 ", \"base_rss_bytes\": %" PRIu64 ", \"minflt\": %" PRIu64
            ", \"majflt\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"os_calls\": {", k ? "," : "", r->wall_s, r->cpu_s,
-           r->idle_s, r->peak_rss, r->mean_rss, r->base_rss, r->minflt, r->majflt, r->ops);
+           r->user_s, r->idle_s, r->peak_rss, r->mean_rss, r->base_rss, r->minflt, r->majflt, r->ops);
     unsigned i = 0;
     bool first = true;
 #define X_OC(name, desc) if (strstr(#name, "_calls")) { printf("%s\"%.*s\": %" PRIu64, first ? "" : ", ", \

@@ -366,9 +366,14 @@ class Screen:
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
         with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
             done = list(ex.map(one, enumerate(pol)))
-        # Ranked by CPU time (replay.cpu_run_cost): the replays ran side by side.
-        self.results = [(Ranked(label, k, r.cpu_cost, r.cpu_spread, r.mean_rss_bytes, r.cpu_cost - r.mem_cost), r)
-                        for label, k, r in done]
+        # Ranked by CPU time with the faults at the program's price, and
+        # memory (replay.cpu_run_cost): the replays ran side by side.
+        k_fault = R.kernel_per_fault([run for _, _, r in done for run in r.raw.get("runs", [])])
+        self.k_fault_s = k_fault
+        self.results = []
+        for label, k, r in done:
+            cost, spread = R.cpu_cost_of(r.raw.get("runs", []), facts, self.objective, self.prices, k_fault)
+            self.results.append((Ranked(label, k, cost, spread, r.mean_rss_bytes, cost - r.mem_cost), r))
         return sorted((rk for rk, _ in self.results), key=lambda r: r.cost)
 
     def jobs_for(self, n: int) -> int:
@@ -410,5 +415,5 @@ class Screen:
         how = f", {self.jobs_run} at once" if self.jobs_run else ""
         burst = ", intermittent program" if self.intermittent else ""
         return (f"{len(ranked)} policies replayed on {f.get('events', 0):,} events "
-                f"({f.get('duration_s', 0):.2f} s traced{burst}{how}; ranked by CPU time and memory); "
+                f"({f.get('duration_s', 0):.2f} s traced{burst}{how}; ranked by user CPU time, priced faults and memory); "
                 f"best: {', '.join(parts)}")

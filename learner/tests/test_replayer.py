@@ -105,6 +105,10 @@ def test_repeat_runs_fresh_processes_with_a_spread(tmp_path):
     walls = sorted(r["wall_s"] for r in d["runs"])
     assert d["median"]["wall_s"] == pytest.approx(walls[1], rel=1e-6)
     assert d["spread"]["wall_s"] == pytest.approx((walls[2] - walls[0]) / walls[1], rel=0.01, abs=2e-3)
+    # User time is the part of the CPU time outside the kernel (screening
+    # prices faults from their count instead of the kernel's time).
+    for r in d["runs"]:
+        assert 0 <= r["user_s"] <= r["cpu_s"] + 1e-6, r
 
 
 def test_policy_changes_what_the_allocator_does(tmp_path):

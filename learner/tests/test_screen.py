@@ -286,11 +286,16 @@ def test_replays_run_side_by_side_as_far_as_memory_holds_them(monkeypatch):
     assert Screen(make_ctx(), "/x", None, None, jobs=4).jobs_for(17) == 4
 
 
-def test_screening_ranks_by_replay_cpu_time_not_by_slow_path_wall_time(tmp_path, monkeypatch):
+def test_screening_ranks_by_cpu_time_with_faults_at_the_programs_price(tmp_path, monkeypatch):
     """Side by side, a replay waiting for a CPU or faulting in a page inside
-    the slow path puts wall-clock time into slow_ns; its CPU time holds what
-    it cost. Here policy B's slow_ns is ten times A's (it waited), its CPU
-    time lower: B ranks first, with its spread over the runs."""
+    the slow path puts wall-clock time into slow_ns, and a replay faulting
+    while a dozen others fault too spends more kernel time per fault (here
+    15 us) than the program would (1 us). Policy B's slow_ns is ten times
+    the default's (it waited), its faults three times, its user time half:
+    with the kernel's time per fault over all the runs taken out and the
+    faults priced as the live program pays them, B ranks first, with its
+    spread over the runs; by slow_ns or by whole CPU time it would rank
+    last."""
     import hakmem.replay as R
     from hakmem.objective import Objective, Prices
     trace = tmp_path / "t.trace"
@@ -301,26 +306,48 @@ def test_screening_ranks_by_replay_cpu_time_not_by_slow_path_wall_time(tmp_path,
     monkeypatch.setattr(R, "trace_facts", lambda path, partial=False: facts)
 
     def fake_run(path, knobs, **kw):
-        slow, cpus = (1e6, (0.20, 0.21)) if knobs["drain_ms"] == 1000 else (1e7, (0.10, 0.12))
-        return {"runs": [{"counters": {"slow_ns": slow}, "minflt": 0, "os_calls": 0, "cpu_s": c,
-                          "mean_rss_bytes": 1 << 20} for c in cpus], "policy": {}}
+        if knobs["drain_ms"] == 1000:
+            slow, users, faults = 1e6, (0.20, 0.21), 10_000
+        else:
+            slow, users, faults = 1e7, (0.10, 0.12), 30_000
+        return {"runs": [{"counters": {"slow_ns": slow}, "minflt": faults, "os_calls": 0, "cpu_s": u + faults * 15e-6,
+                          "user_s": u, "mean_rss_bytes": 1 << 20} for u in users], "policy": {}}
     monkeypatch.setattr(R, "run_replayer", fake_run)
     import hakmem.screen as S
     monkeypatch.setattr(S, "STAGGER_S", 0.0)
     ctx = make_ctx()
     slow_drain = ctx.default.to_dict() | {"drain_ms": 100}
     monkeypatch.setattr(S, "policies", lambda ctx, hot: [("default", ctx.default), ("B", ctx.clamp(slow_drain))])
-    s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices())
+    prices = Prices(fault_s=1e-6, syscall_s=2e-6)
+    s = Screen(ctx, "/nonexistent", Objective(lam=0.5), prices)
     s.path, s.uid = str(trace), os.geteuid()
     ranked = s._replay_all()
+    assert s.k_fault_s == pytest.approx(15e-6)
     assert [r.label for r in ranked] == ["B", "default"]
     by = {r.label: r for r in ranked}
     mem = Objective(lam=0.5).mem_cost(1 << 20)
-    assert by["B"].cost == pytest.approx(0.11 / 2.0 + mem)
-    assert by["B"].spread == pytest.approx((0.12 - 0.10) / 2.0 / (0.11 / 2.0 + mem))
-    assert by["default"].time_cost == pytest.approx(0.205 / 2.0)
+    b_cost = (0.11 + 30_000 * 1e-6) / 2.0 + mem
+    assert by["B"].cost == pytest.approx(b_cost)
+    assert by["B"].spread == pytest.approx((0.12 - 0.10) / 2.0 / b_cost)
+    assert by["default"].time_cost == pytest.approx((0.205 + 10_000 * 1e-6) / 2.0)
     old = {lb: r.cost for (rk, r), lb in zip(s.results, ["default", "B"])}
     assert old["B"] > old["default"], "by slow_ns the order would be the other way"
+    whole_cpu = {lb: r.cpu_cost for (rk, r), lb in zip(s.results, ["default", "B"])}
+    assert whole_cpu["B"] > whole_cpu["default"], "by whole CPU time too"
+
+
+def test_the_kernel_time_per_fault_is_pooled_over_the_runs():
+    """The kernel splits CPU time into user and system by where clock ticks
+    land, so one short run's split is noise: the time per fault is every
+    run's system time over every run's faults; a replayer without user_s,
+    or runs without faults, give none."""
+    from hakmem.replay import kernel_per_fault
+    runs = [{"cpu_s": 0.010, "user_s": 0.010, "minflt": 100},     # no tick landed in the kernel
+            {"cpu_s": 0.010, "user_s": 0.002, "minflt": 100},     # most did
+            {"cpu_s": 0.030, "user_s": 0.020, "minflt": 300}]
+    assert kernel_per_fault(runs) == pytest.approx((0.0 + 0.008 + 0.010) / 500)
+    assert kernel_per_fault([{"cpu_s": 0.1, "minflt": 10}]) is None
+    assert kernel_per_fault([{"cpu_s": 0.1, "user_s": 0.1, "minflt": 0}]) is None
 
 
 def test_a_learnd_that_is_gone_leaves_no_screening_trace_behind(tmp_path):

@@ -618,8 +618,9 @@ class Daemon:
         kind = {"explore": "policy_applied", "accept": "policy_accepted", "rollback": "policy_rolled_back",
                 "relearn": "relearn", "settle": "policy_settled"}.get(dec.kind, "policy_applied")
         # A verdict is news even when the policy in force stays: an A/B trial
-        # (paired.py) may end on one of the incumbent's blocks.
-        if changed or dec.kind in ("accept", "rollback", "relearn", "settle"):
+        # (paired.py) may end on one of the incumbent's blocks, and begins
+        # with one.
+        if changed or dec.kind in ("explore", "accept", "rollback", "relearn", "settle"):
             self.event(kind, dec.reason, prog, knobs=knobs)
 
     def _store_evaluation(self, prog: Program, ev: Evaluation):

@@ -576,7 +576,11 @@ def test_screening_ranks_candidates_on_a_trace_before_any_trial(tmp_path):
     try:
         w = start(["burst", 64, 4000, scaled(20)], d.shm)
         ring_path(d.shm, w.pid)
-        d.wait_log("policy_applied workload", 25)
+        # The trial begins with a block of the incumbent, then the
+        # candidate's; the verdict may come after the first pair.
+        d.wait_log("A/B: the candidate", 25)
+        wait_for(lambda: "policy_accepted workload" in d.text() or "policy_rolled_back workload" in d.text(), 15,
+                 lambda: f"a verdict on the first trial:\n{d.text()[-3000:]}")
         finish(w)
         d.wait_log(f"process_exited workload[{w.pid}]")
     finally:
@@ -604,7 +608,8 @@ def test_screening_ranks_candidates_on_a_trace_before_any_trial(tmp_path):
     costs = [x["cost"] for x in ev["replay"]["ranking"]]
     assert costs == sorted(costs)
     trial = ev["trials"][0]      # the replay's best, tried first, against the default
-    assert trial["baseline"]["label"] == "default" and trial["windows"] >= 2, ev["trials"]
+    # At least one block of the candidate (a clear winner is taken on the first pair).
+    assert trial["baseline"]["label"] == "default" and trial["windows"] >= 1, ev["trials"]
     if ev["in_force"]["origin"] == "learned":
         assert ev["accepted_by"]["relative"] < 0 and any(x["in_force"] for x in ev["replay"]["ranking"])
     r = run_cli("policy", "explain", "workload", "--db", d.db, "--run-dir", d.run)

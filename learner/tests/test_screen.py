@@ -63,14 +63,15 @@ def test_gp_waits_for_the_screen_then_confirms_its_best_online_and_settles():
     decisions, in_force, incumbents = drive(lrn, sim, ctx, 40, before_window=before)
     first = decisions[0]
     assert first[0] >= 8, f"no trial before the screen's results: {decisions[:2]}"
-    assert first[1].kind == "explore" and same(first[1].knobs, best.knobs) and "screened" in first[1].reason
-    # Confirmed in an A/B trial: back to the incumbent for its block, then
-    # the verdict on the pairs.
+    # Confirmed in an A/B trial that begins with a block of the incumbent
+    # (still in force: no switch), then the candidate's, then the verdict.
+    assert first[1].kind == "explore" and same(first[1].knobs, ctx.default) and "screened" in first[1].reason
+    assert "the incumbent's first" in first[1].reason
     ab = [d for _, d in decisions if d.kind == "ab"]
-    assert ab and same(ab[0].knobs, ctx.default) and "A/B: the incumbent" in ab[0].reason, decisions
+    assert ab and same(ab[0].knobs, best.knobs) and "A/B: the candidate" in ab[0].reason, decisions
     verdicts = [d for _, d in decisions if d.kind != "ab"]
     assert [d.kind for d in verdicts][:2] == ["explore", "accept"], decisions
-    assert "settled" in verdicts[1].reason and "A/B pairs" in verdicts[1].reason and lrn.state() == "settled"
+    assert "settled" in verdicts[1].reason and "A/B pair" in verdicts[1].reason and lrn.state() == "settled"
     assert len(verdicts) == 2, "settled: no more trials"
     assert same(lrn.incumbent()[0], best.knobs)
 
@@ -90,7 +91,7 @@ def test_gp_tries_the_next_screened_candidate_when_the_best_fails_online():
     lrn.screening()
     lrn.screened(lied)
     decisions, _, _ = drive_started(lrn, sim, ctx, 40)
-    kinds = [(d.kind, d.knobs) for _, d in decisions if d.kind != "ab"]
+    kinds = tried(decisions)
     assert kinds[0][0] == "explore" and same(kinds[0][1], bad.knobs)
     assert kinds[1][0] == "rollback" and same(kinds[1][1], ctx.default)
     assert kinds[2][0] == "explore" and same(kinds[2][1], real[0].knobs)
@@ -131,6 +132,23 @@ def test_gp_keeps_the_default_when_the_replay_ranks_nothing_cheaper():
     assert lrn.state() == "settled" and all(same(k, ctx.default) for k in incumbents)
 
 
+def tried(decisions):
+    """(kind, knobs) of each decision but the A/B switches; an A/B trial's
+    explore (the incumbent's block first) stands with the candidate it
+    tries, the policy of the trial's first switch."""
+    out = []
+    ds = [d for _, d in decisions]
+    for i, d in enumerate(ds):
+        if d.kind == "ab":
+            continue
+        if d.kind == "explore" and "the incumbent's first" in d.reason:
+            nxt = next((e for e in ds[i + 1:] if e.kind == "ab" and "A/B: the candidate" in e.reason), None)
+            out.append((d.kind, nxt.knobs if nxt is not None else None))
+        else:
+            out.append((d.kind, d.knobs))
+    return out
+
+
 def drive_started(lrn, sim, ctx, n):
     """drive() for a learner already started (its start() decision was None)."""
     start = lrn.start
@@ -158,8 +176,8 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     lrn.screening()
     lrn.screened(ranked_)
     decisions, _, _ = drive_started(lrn, sim, ctx, 60)
+    kinds = tried(decisions)
     decisions = [(i, d) for i, d in decisions if d.kind != "ab"]
-    kinds = [(d.kind, d.knobs) for _, d in decisions]
     assert kinds[0][0] == "explore" and same(kinds[0][1], good)
     assert kinds[1][0] == "accept" and "cannot tell 1 other candidate from it: trying it too" in decisions[1][1].reason
     assert kinds[2][0] == "explore" and same(kinds[2][1], better)

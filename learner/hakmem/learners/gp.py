@@ -537,12 +537,15 @@ class GPLearner(Reporting):
                     # The incumbent's windows since the warm-up.
                     self._block = choose_block(list(self._inc_raw), ref)
                 self._ab_wait = 0
+                # The incumbent's block first: the first pair needs no switch
+                # back, and a clear winner is taken on it (paired.py).
                 self._ab = Paired(c.knobs, self._inc, self._block, ref=ref, max_pairs=self.p.ab_pairs,
-                                  margin=self.p.min_margin, abort=self.p.ab_abort)
+                                  margin=self.p.min_margin, abort=self.p.ab_abort, first="I")
                 parts = self._space.describe(c.knobs, self._inc) or ["a policy outside the search's dimensions"]
-                return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [screened; {c.why}; A/B against "
-                                                    f"the incumbent in blocks of {self._block.windows} window"
-                                                    f"{'s' if self._block.windows > 1 else ''}]", self._take())
+                n = self._block.windows
+                return Decision(self._inc, "explore", f"explore {', '.join(parts)} [screened; {c.why}; A/B against "
+                                                      f"the incumbent in blocks of {n} window{'s' if n > 1 else ''}, "
+                                                      f"the incumbent's first]", self._take())
             # The replay's ranking is the search: what it ranks cheaper was
             # tried, and nothing else is (no blind trial risks the program).
             self._screen = "done"

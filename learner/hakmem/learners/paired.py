@@ -8,9 +8,13 @@ candidate (C) and incumbent (I) windows make every comparison between
 neighbours in time, and the decision rests on the pairs' differences.
 
 THE TEST
-  - Blocks run in ABBA order, C I I C C I ...: a drift linear in time cancels
+  - Blocks run in ABBA order, I C C I I C ... (first="I", the learner's
+    screened trials) or C I I C C I ...: a drift linear in time cancels
     over two pairs, and one switch serves two blocks (a switch costs the
-    window it happens in, which counts for neither policy).
+    window it happens in, which counts for neither policy). Starting with
+    the incumbent's block, the first pair runs with the incumbent still in
+    force and one switch, to the candidate; a trial decided there never
+    switches back (see the end).
   - A block is `block` windows. Most programs' windows are independent and
     one window is a block; a program whose cost comes in bursts slower than
     a window (a spike every two windows) would make every block's mean a
@@ -24,22 +28,30 @@ THE TEST
     a burst by the handful of allocations in the window they fall in.
   - Each pair gives d = log(C cost / I cost): costs are positive and a
     policy changes them by a factor.
-  - After each pair from the second on (at most `max_pairs` - 1 looks), a
-    one-sided t-test on the d's: accept when the mean is below -log(1 +
-    margin) and below zero with 95% confidence; roll back when above zero
-    with 95% confidence. The 5% is split over the looks (Bonferroni), so the
-    chance of taking a candidate that is no better is at most 5% over the
-    whole trial, not per look. The d's variance pools the pairs' own spread
-    with what the incumbent's blocks before the trial say (twice their
-    relative variance), degrees of freedom added; it is floored at
-    `sd_floor`: pairs that agree by chance claim no certainty.
+  - After each pair (at most `max_pairs` looks), a one-sided t-test on the
+    d's: accept when the mean is below -log(1 + margin) and below zero with
+    95% confidence; roll back when above zero with 95% confidence. The 5% is
+    split over the six looks at most (Bonferroni), so the chance of taking a
+    candidate that is no better is at most 5% over the whole trial, not per
+    look. The d's variance pools the pairs' own spread with what the
+    incumbent's blocks before the trial say (twice their relative variance),
+    degrees of freedom added; it is floored at `sd_floor`: pairs that agree
+    by chance claim no certainty. The first pair alone is judged only from
+    that prior (at least `MIN_PRIOR_DF` degrees of freedom of it), only in
+    an I-first trial (in C-first order its incumbent block is the switch
+    back, which leans towards the incumbent), and takes a candidate only
+    `FIRST_PAIR_GAIN` cheaper or more (one pair does not cancel a drift).
   - One pair whose candidate costs more than 1 + `abort` times the incumbent
     ends the trial at once: the program does not pay a second block of it.
   - No verdict after `max_pairs`: rejected, within the noise.
 
 What a switch back costs is not the candidate's: the incumbent's block after
 a candidate that released memory starts with less resident (its caches refill
-within the block), so the test leans towards the incumbent, never away."""
+within the block), so the test leans towards the incumbent, never away. The
+program pays it too: in bench-learn's spikes, the incumbent's first window
+after a candidate that kept nothing cost 1.2-1.4x the default's usual window
+(the spike faulted in again, then kept). A clear winner decided on the first
+pair of an I-first trial costs the program no such window."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,19 +62,24 @@ import numpy as np
 from .base import _pct
 
 CONFIDENCE = 0.95
-MAX_LOOKS = 5
-# One-sided Student t quantiles at 1 - 0.05/5 = 0.99 (five looks: pairs 2..6),
-# by degrees of freedom (scipy.stats.t.ppf(0.99, df)); between two entries
-# the smaller df's, which is the larger quantile.
-_T99 = {1: 31.82, 2: 6.965, 3: 4.541, 4: 3.747, 5: 3.365, 6: 3.143, 7: 2.998, 8: 2.896, 9: 2.821,
-        10: 2.764, 12: 2.681, 14: 2.624, 16: 2.583, 18: 2.552, 20: 2.528, 25: 2.485, 30: 2.457,
-        40: 2.423, 60: 2.390, 120: 2.358}
+MAX_LOOKS = 6
+MIN_PRIOR_DF = 3
+# The first pair alone takes a candidate only this much cheaper: one pair
+# cannot cancel a drift of the load (ABBA needs two), and a load that moves
+# 10% between neighbouring blocks is rarer than one that moves 3%.
+FIRST_PAIR_GAIN = 0.10
+# One-sided Student t quantiles at 1 - 0.05/6 (six looks: pairs 1..6), by
+# degrees of freedom (scipy.stats.t.ppf(1 - 0.05/6, df)); between two
+# entries the smaller df's, which is the larger quantile.
+_TQ = {1: 38.19, 2: 7.649, 3: 4.857, 4: 3.961, 5: 3.534, 6: 3.287, 7: 3.128, 8: 3.016, 9: 2.933,
+       10: 2.870, 12: 2.779, 14: 2.718, 16: 2.673, 18: 2.639, 20: 2.613, 25: 2.566, 30: 2.536,
+       40: 2.499, 60: 2.463, 120: 2.428}
 
 
 def t_crit(df: int) -> float:
-    """The one-sided critical t for df degrees of freedom at 99%: 95% over
-    the trial's five looks at most (Bonferroni)."""
-    return _T99[max(k for k in _T99 if k <= max(df, 1))]
+    """The one-sided critical t for df degrees of freedom at 1 - 0.05/6:
+    95% over the trial's six looks at most (Bonferroni)."""
+    return _TQ[max(k for k in _TQ if k <= max(df, 1))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +140,17 @@ class Paired:
     "rejected"."""
 
     def __init__(self, cand, inc, block: Block | int = 1, *, ref: float | None = None, max_pairs: int = 6,
-                 margin: float = 0.005, abort: float = 0.5, sd_floor: float = 0.01):
+                 margin: float = 0.005, abort: float = 0.5, sd_floor: float = 0.01, first: str = "C"):
         self.cand, self.inc, self.ref = cand, inc, ref
+        if first not in ("C", "I"):
+            raise ValueError(f"first: 'C' or 'I', not {first!r}")
+        self.first = first
         b = block if isinstance(block, Block) else Block(int(block))
         self.block = max(1, b.windows)
         # The pairs' noise before any pair: two block means' difference,
         # each as noisy as the incumbent's own blocks were.
         self.prior_var, self.prior_df = 2 * b.rel_var, b.df
-        self.max_pairs = min(max(2, int(max_pairs)), MAX_LOOKS + 1)
+        self.max_pairs = min(max(2, int(max_pairs)), MAX_LOOKS)
         self.margin, self.abort, self.sd_floor = margin, abort, sd_floor
         self.pairs: list[tuple[float, float]] = []     # (C cost, I cost), block_cost of each side
         self._cur: dict[str, list] = {"C": [], "I": []}
@@ -139,8 +159,9 @@ class Paired:
         self.t = 0.0
 
     def _side(self, b: int) -> str:
-        # ABBA: C I | I C | C I | I C ...
-        return "C" if (b % 4) in (0, 3) else "I"
+        # ABBA: C I | I C | C I ... (or I C | C I | I C ... from first="I")
+        other = "I" if self.first == "C" else "C"
+        return self.first if (b % 4) in (0, 3) else other
 
     @property
     def side(self) -> str:
@@ -181,15 +202,21 @@ class Paired:
         d = np.asarray(self.diffs)
         n = len(d)
         if n == 1:
-            return "rolled_back" if d[0] > math.log1p(self.abort) else None
+            if d[0] > math.log1p(self.abort):
+                return "rolled_back"
+            if self.first != "I" or self.prior_df < MIN_PRIOR_DF:
+                return None
         m = float(d.mean())
         # The pairs' own spread pooled with the incumbent's (their degrees of
         # freedom added): two pairs alone say little of the noise.
         df = n - 1 + self.prior_df
-        var = ((n - 1) * float(d.var(ddof=1)) + self.prior_df * self.prior_var) / df
+        own = (n - 1) * float(d.var(ddof=1)) if n > 1 else 0.0
+        var = (own + self.prior_df * self.prior_var) / df
         se = max(math.sqrt(var), self.sd_floor) / math.sqrt(n)
         self.t = m / se
         crit = t_crit(df)
+        if n == 1 and m > -math.log1p(FIRST_PAIR_GAIN):
+            return "rolled_back" if self.t > crit else None
         if self.t < -crit and m < -math.log1p(self.margin):
             return "accepted"
         if self.t > crit:

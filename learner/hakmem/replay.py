@@ -232,7 +232,15 @@ def _total(v) -> float:
 
 
 def run_cost(run: dict, facts: TraceFacts, objective: Objective, prices: Prices) -> tuple[float, float, float]:
-    """(time_cost, mem_cost, cost) of one replayer run, in live-window units."""
+    """(time_cost, mem_cost, cost) of one replayer run, in live-window units:
+    the allocator's slow-path time, its page faults and OS calls priced by
+    their counts, and its mean resident memory. Screening ranks by this too,
+    not by the replay's CPU time: side by side, a replay's system time varies
+    with what the others fault at the same moment (bench-learn's phases, 17
+    replays at once: 0.06 to 0.47 s of it for the same 30-60 thousand
+    faults), which ranked a policy the program cannot tell from the default
+    45% cheaper; the counts are the policy's own. slow_ns holds none of the
+    kernel's time (the allocator subtracts its faults and memory calls)."""
     from .objective import time_cost
     D = facts.duration_s
     counters = run.get("counters") or {}
@@ -247,55 +255,6 @@ def run_cost(run: dict, facts: TraceFacts, objective: Objective, prices: Prices)
     rss = float(run.get("mean_rss_bytes", run.get("peak_rss_bytes", 0)))
     m = objective.mem_cost(rss)
     return t, m, t + m
-
-
-def _os_calls(run: dict) -> float:
-    v = run.get("os_calls")
-    return sum(_total(x) for x in v.values()) if isinstance(v, dict) else _total(v)
-
-
-def kernel_per_fault(runs) -> float | None:
-    """Kernel seconds per page fault over many replayer runs pooled (all of
-    one screening's): their system time over their faults. None where the
-    replayer reports no user_s or nothing faulted. Pooled, because the
-    kernel splits a process's CPU time between user and system by where
-    its clock ticks land: one short replay's split is a handful of ticks."""
-    sys_s = faults = 0.0
-    for r in runs:
-        if "user_s" not in r:
-            return None
-        sys_s += max(float(r.get("cpu_s", 0.0)) - float(r["user_s"]), 0.0)
-        faults += float(r.get("minflt", 0))
-    return sys_s / faults if faults > 0 else None
-
-
-def cpu_run_cost(run: dict, facts: TraceFacts, objective: Objective, prices: Prices,
-                 k_fault_s: float | None = None) -> float:
-    """One replayer run priced by the CPU time the replay took, with its
-    page faults at the live program's price instead of what they took in
-    the replay, plus the same memory cost. Screening ranks by this one,
-    because its replays run side by side:
-    - a replay waiting for a CPU adds wall-clock time to slow_ns but none to
-      its CPU time;
-    - a fault taken inside the slow path (it links a fresh page's blocks) is
-      in slow_ns and priced again from minflt; CPU time holds it once;
-    - the kernel's time per fault in a replay is not the program's: with 17
-      replays faulting at once on two cores, the one that keeps no memory
-      took 4x the default's CPU time where the program itself takes 2.4x,
-      so kernel time as it happened would rank "keep nothing" last where it
-      is first. k_fault_s (kernel_per_fault over the screening's runs) takes
-      out what the faults took; they come back at prices.fault_s.
-    The replayer's own work (events, touching new blocks) is the same under
-    every policy: it shifts every cost alike and leaves the differences as
-    they are. Without k_fault_s, the CPU time as it is."""
-    from .objective import time_cost
-    D = facts.duration_s
-    rss = float(run.get("mean_rss_bytes", run.get("peak_rss_bytes", 0)))
-    t = float(run.get("cpu_s", 0.0)) / D
-    if k_fault_s is not None:
-        faults = float(run.get("minflt", 0)) / D
-        t += time_cost(0.0, faults, 0.0, prices) - faults * k_fault_s
-    return t + objective.mem_cost(rss)
 
 
 @dataclasses.dataclass
@@ -317,8 +276,6 @@ class Result:
     raw: dict
     stored: bool = False        # found in the store, not replayed now
     mean_rss_bytes: float = 0.0  # resident memory averaged over the replay (what the cost prices)
-    cpu_cost: float = 0.0        # the median run's cost with CPU time as the time term (cpu_run_cost, no k_fault_s)
-    cpu_spread: float = 0.0      # (max - min) / median of those
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -327,21 +284,12 @@ class Result:
         return d
 
 
-def cpu_cost_of(runs, facts: TraceFacts, objective: Objective, prices: Prices,
-                k_fault_s: float | None = None) -> tuple[float, float]:
-    """(median, (max - min) / median) of cpu_run_cost over one policy's runs."""
-    cc = np.array([cpu_run_cost(r, facts, objective, prices, k_fault_s) for r in runs])
-    cmed = float(np.median(cc)) if len(cc) else 0.0
-    return cmed, float((cc.max() - cc.min()) / cmed) if cmed > 0 else 0.0
-
-
 def result_of(res: dict, knobs: dict, facts: TraceFacts, objective: Objective, prices: Prices) -> Result:
     costs = [run_cost(r, facts, objective, prices) for r in res["runs"]]
     c = np.array([x[2] for x in costs])
     i = int(np.argsort(c)[len(c) // 2]) if len(c) else 0
     med = float(np.median(c))
     runs = res["runs"]
-    cmed, cspread = cpu_cost_of(runs, facts, objective, prices)
 
     def med_of(key):
         vals = []
@@ -352,7 +300,7 @@ def result_of(res: dict, knobs: dict, facts: TraceFacts, objective: Objective, p
     return Result(knobs=knobs, policy=res.get("policy") or {}, repeat=len(runs), wall_s=med_of("wall_s"),
                   cpu_s=med_of("cpu_s"), peak_rss_bytes=med_of("peak_rss_bytes"), os_calls=med_of("os_calls"),
                   minflt=med_of("minflt"), time_cost=costs[i][0], mem_cost=costs[i][1], cost=costs[i][2],
-                  mean_rss_bytes=med_of("mean_rss_bytes"), cpu_cost=cmed, cpu_spread=cspread,
+                  mean_rss_bytes=med_of("mean_rss_bytes"),
                   spread=float((c.max() - c.min()) / med) if med > 0 else 0.0,
                   run_costs=[float(x) for x in c], raw=res)
 

@@ -348,14 +348,12 @@ class Screen:
             i, (label, k) = item
             # Started in step, every replay would take a bursty trace's bursts
             # at the same moment, and 17 processes faulting 64 MiB at once on
-            # 2 cores burn CPU time in the kernel's locks: the policies that
-            # fault most were charged up to twice their CPU time alone.
+            # 2 cores wait on each other in the kernel's locks and for a CPU.
             if self._stop.wait(i * STAGGER_S):
                 raise KeyboardInterrupt
             # The replays are learnd's errand, not the program's: at nice 19
             # they take the CPUs the program leaves (Linux's nice is per
-            # thread, and a child takes its forking thread's). Their CPU
-            # time, what the ranking prices, does not grow by waiting.
+            # thread, and a child takes its forking thread's).
             tid = threading.get_native_id()
             if tid not in niced:
                 with contextlib.suppress(OSError):
@@ -366,14 +364,11 @@ class Screen:
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
         with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
             done = list(ex.map(one, enumerate(pol)))
-        # Ranked by CPU time with the faults at the program's price, and
-        # memory (replay.cpu_run_cost): the replays ran side by side.
-        k_fault = R.kernel_per_fault([run for _, _, r in done for run in r.raw.get("runs", [])])
-        self.k_fault_s = k_fault
-        self.results = []
-        for label, k, r in done:
-            cost, spread = R.cpu_cost_of(r.raw.get("runs", []), facts, self.objective, self.prices, k_fault)
-            self.results.append((Ranked(label, k, cost, spread, r.mean_rss_bytes, cost - r.mem_cost), r))
+        # Ranked in learnd's own units (replay.run_cost): the same prices as
+        # a live window's, and what replay_runs stores and `policy explain`
+        # shows.
+        self.results = [(Ranked(label, k, r.cost, r.spread, r.mean_rss_bytes, r.time_cost), r)
+                        for label, k, r in done]
         return sorted((rk for rk, _ in self.results), key=lambda r: r.cost)
 
     def jobs_for(self, n: int) -> int:
@@ -415,5 +410,5 @@ class Screen:
         how = f", {self.jobs_run} at once" if self.jobs_run else ""
         burst = ", intermittent program" if self.intermittent else ""
         return (f"{len(ranked)} policies replayed on {f.get('events', 0):,} events "
-                f"({f.get('duration_s', 0):.2f} s traced{burst}{how}; ranked by user CPU time, priced faults and memory); "
+                f"({f.get('duration_s', 0):.2f} s traced{burst}{how}; ranked by slow-path time, priced faults and memory); "
                 f"best: {', '.join(parts)}")

@@ -61,7 +61,6 @@ import numpy as np
 
 from .base import _pct
 
-CONFIDENCE = 0.95
 MAX_LOOKS = 6
 MIN_PRIOR_DF = 3
 # The first pair alone takes a candidate only this much cheaper: one pair

@@ -62,8 +62,12 @@ enum { OP_MALLOC = 1, OP_CALLOC, OP_REALLOC, OP_FREE, OP_ALIGNED, OP_THREAD_EXIT
 
 static const char* trace_path;
 static const char* policy_path;
+static const char* gate_path;
+static const volatile uint8_t* gate;   /* --gate: its first byte nonzero while the watched program runs */
 static bool partial, touch_pages = true, json_out, pace_idle = true;
 #define GAP_NS 1000000u   /* --pace idle: a gap this long in a thread's events is kept */
+#define GATE_POLL_NS 1000000L                 /* --gate: a held thread looks again this often ... */
+#define GATE_MAX_HOLD_NS 2000000000ull        /* ... and goes on after this long, whatever the gate says */
 static int repeat = 1;
 
 /* ---- errors ------------------------------------------------------------------ */
@@ -345,6 +349,7 @@ static uint64_t* thread_nev;
 static pthread_barrier_t start_bar;
 static uint64_t replay_t0;   /* CLOCK_MONOTONIC when the barrier opened */
 static _Atomic uint64_t idle_ns;
+static _Atomic uint64_t held_ns;
 static _Atomic uint64_t ops_done;
 static _Atomic uint32_t threads_done;   /* replay threads at their end: the RSS sampler's stop */
 static _Atomic int stuck;
@@ -355,6 +360,35 @@ static void touch(void* p, uint64_t n) {
   memset(b, 0xa5, n < 64 ? n : 64);
   for (uint64_t o = 4096; o < n; o += 4096) b[o] = 1;
   b[n - 1] = 2;
+}
+
+/* --gate: learnd screens policies on a live program's trace while that
+ * program runs, and an intermittent program's bursts cost it twice as much
+ * while other processes fault memory in beside them. So between two events
+ * (never inside an allocator call: the policy's slow-path time is not the
+ * wait's) a replay thread waits while the gate's byte says the program is
+ * running. The gate is learnd's file; a hold is bounded here all the same,
+ * so a gate nobody opens slows a replay down and never stops it. */
+static uint64_t gate_hold(void) {
+  uint64_t t0 = now_ns(), t = t0;
+  while (*gate && t - t0 < GATE_MAX_HOLD_NS) {
+    struct timespec ts = {0, GATE_POLL_NS};
+    nanosleep(&ts, NULL);
+    t = now_ns();
+  }
+  return t - t0;
+}
+
+static void open_gate(void) {
+  int fd = open(gate_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) die(2, "--gate %s: %s", gate_path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 1)
+    die(2, "--gate %s: not a regular file of at least one byte", gate_path);
+  void* m = mmap(NULL, 1, PROT_READ, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) die(2, "--gate %s: %s", gate_path, strerror(errno));
+  close(fd);
+  gate = m;
 }
 
 /* The object's block, once its allocating thread has made it. */
@@ -377,15 +411,16 @@ static void* wait_obj(int64_t id) {
 static void* replay_thread(void* arg) {
   uint64_t t = (uint64_t)(uintptr_t)arg;
   uint64_t* list = thread_events[t];
-  uint64_t n = thread_nev[t], done = 0, prev_t = 0, slept = 0;
+  uint64_t n = thread_nev[t], done = 0, prev_t = 0, slept = 0, held = 0;
   pthread_barrier_wait(&start_bar);
   for (uint64_t k = 0; k < n; k++) {
     event_t* e = &ev[list[k]];
     void* p = NULL;
+    if (gate && *gate) held += gate_hold();
     if (pace_idle && e->t - prev_t >= GAP_NS && e->t > prev_t) {
       /* Only at a gap does the clock get read: the replay keeps the
-       * trace's idle time, not its busy time. */
-      uint64_t target = replay_t0 + e->t, now = now_ns();
+       * trace's idle time, not its busy time (nor the gate's holds). */
+      uint64_t target = replay_t0 + held + e->t, now = now_ns();
       if (target > now) {
         struct timespec ts = {(time_t)((target - now) / 1000000000u), (long)((target - now) % 1000000000u)};
         while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
@@ -439,6 +474,7 @@ static void* replay_thread(void* arg) {
 out:
   atomic_fetch_add(&ops_done, done);
   atomic_fetch_add(&idle_ns, slept);
+  atomic_fetch_add(&held_ns, held);
   atomic_fetch_add_explicit(&threads_done, 1, memory_order_release);
   return NULL;
 }
@@ -545,6 +581,7 @@ typedef struct {
   trace_info_t info;
   hk_policy_t policy;
   double wall_s, cpu_s, user_s, idle_s;   /* user_s: cpu_s less the kernel's part */
+  double held_s;                          /* --gate: thread-seconds held */
   uint64_t peak_rss, base_rss, minflt, majflt, ops;
   uint64_t mean_rss;      /* resident memory above base_rss, averaged over the replay's wall time */
   uint64_t proc[64];
@@ -606,6 +643,7 @@ static void stats_flat(const hk_stats_t* s, uint64_t* proc, uint64_t* cls) {
 static int run_once(int out_fd) {
   load_trace();
   rename_objects();
+  if (gate_path) open_gate();
   hk_policy_t pol;
   load_policy(&pol);
   if (policy_path && hk_policy_set(&pol) == 0)
@@ -647,6 +685,7 @@ static int run_once(int out_fd) {
   while (atomic_load_explicit(&threads_done, memory_order_acquire) < active) {
     struct timespec ts = {0, RSS_SAMPLE_NS};
     nanosleep(&ts, NULL);
+    if (gate && *gate) continue;   /* memory held while the gate is closed is the wait's */
     rss_sum += (double)statm_rss();
     rss_n++;
   }
@@ -666,6 +705,7 @@ static int run_once(int out_fd) {
   r.peak_rss = hwm > r.base_rss ? hwm - r.base_rss : 0;
   r.wall_s = (double)(t1 - t0) * 1e-9;
   r.idle_s = (double)atomic_load(&idle_ns) * 1e-9;
+  r.held_s = (double)atomic_load(&held_ns) * 1e-9;
   r.cpu_s = cpu_seconds(&u1) - cpu_seconds(&u0);
   r.user_s = (double)(u1.ru_utime.tv_sec - u0.ru_utime.tv_sec) + (u1.ru_utime.tv_usec - u0.ru_utime.tv_usec) * 1e-6;
   r.minflt = (uint64_t)(u1.ru_minflt - u0.ru_minflt);
@@ -768,10 +808,10 @@ static void print_json(run_t* runs, int n) {
          pace_idle ? "idle" : "none", n);
   for (int k = 0; k < n; k++) {
     run_t* r = &runs[k];
-    printf("%s\n  {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"user_s\": %.6f, \"idle_s\": %.6f, \"peak_rss_bytes\": %" PRIu64
+    printf("%s\n  {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"user_s\": %.6f, \"idle_s\": %.6f, \"held_s\": %.6f, \"peak_rss_bytes\": %" PRIu64
            ", \"mean_rss_bytes\": %" PRIu64 ", \"base_rss_bytes\": %" PRIu64 ", \"minflt\": %" PRIu64
            ", \"majflt\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"os_calls\": {", k ? "," : "", r->wall_s, r->cpu_s,
-           r->user_s, r->idle_s, r->peak_rss, r->mean_rss, r->base_rss, r->minflt, r->majflt, r->ops);
+           r->user_s, r->idle_s, r->held_s, r->peak_rss, r->mean_rss, r->base_rss, r->minflt, r->majflt, r->ops);
     unsigned i = 0;
     bool first = true;
 #define X_OC(name, desc) if (strstr(#name, "_calls")) { printf("%s\"%.*s\": %" PRIu64, first ? "" : ", ", \
@@ -825,7 +865,7 @@ static void print_text(run_t* runs, int n) {
 static void usage(FILE* f) {
   fprintf(f,
     "usage: hakmem-replay [--policy FILE] [--repeat N] [--partial] [--touch pages|none] [--pace idle|none]\n"
-    "                     [--json] TRACE\n"
+    "                     [--gate FILE] [--json] TRACE\n"
     "\n"
     "Replays an allocation trace (HAKMEM_TRACE, `hakmem trace record`) through hakmem under a fixed\n"
     "policy and reports time, peak resident memory, page faults, OS calls and the allocator's counters.\n"
@@ -843,6 +883,10 @@ static void usage(FILE* f) {
     "  --pace MODE     idle (default): a thread whose next event comes 1 ms or more after its last one\n"
     "                  waits until that much of the trace's time has passed, so idle drains and decay\n"
     "                  happen as they did; none: everything back to back\n"
+    "  --gate FILE     a file whose first byte is nonzero while another program should not be disturbed\n"
+    "                  (hakmem-learnd's screening: the traced program is running); between events each\n"
+    "                  thread waits while it is, at most 2 s at a time, and the waits are kept out of the\n"
+    "                  pacing, the mean resident memory and the slow-path time (held_s reports them)\n"
     "  --json          one JSON document on stdout\n"
     "\n"
     "Exit status: 0 replayed; 1 the trace cannot be replayed (one line says why, with the byte offset);\n"
@@ -867,6 +911,8 @@ int main(int argc, char** argv) {
       if (!strcmp(m, "idle")) pace_idle = true;
       else if (!strcmp(m, "none")) pace_idle = false;
       else die(2, "--pace: expected idle or none, not '%s'", m);
+    } else if (!strcmp(a, "--gate") && i + 1 < argc) {
+      gate_path = argv[++i];
     } else if (!strcmp(a, "--repeat") && i + 1 < argc) {
       char* end;
       long v = strtol(argv[++i], &end, 10);
@@ -879,6 +925,7 @@ int main(int argc, char** argv) {
   }
   if (!trace_path) die(2, "no trace given (see --help)");
   if (run_fd >= 0) return run_once(run_fd);
+  if (gate_path) open_gate();   /* a bad gate is a usage error, said before any run */
 
   run_t* runs = map_zero((size_t)repeat * sizeof *runs);
   for (int k = 0; k < repeat; k++) {
@@ -899,6 +946,7 @@ int main(int argc, char** argv) {
       if (partial) args[n++] = "--partial";
       if (!touch_pages) { args[n++] = "--touch"; args[n++] = "none"; }
       if (!pace_idle) { args[n++] = "--pace"; args[n++] = "none"; }
+      if (gate_path) { args[n++] = "--gate"; args[n++] = (char*)gate_path; }
       args[n++] = (char*)trace_path;
       args[n] = NULL;
       /* A run is the policy it was given, nothing else: no HAKMEM_* from

@@ -101,10 +101,11 @@ _RUNNING = _Running()
 
 
 def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replayer=None, timeout=None,
-                 user: int | None = None) -> dict:
+                 user: int | None = None, gate: str | None = None) -> dict:
     """One replay: the replayer's --json output as a dict. policy: the knobs
     to set (a partial dict; None or {} = the allocator's default). user: a
-    uid to run the replayer as (root only; the trace must be readable by it)."""
+    uid to run the replayer as (root only; the trace must be readable by it).
+    gate: a file whose first byte holds the replay while nonzero (screen.Gate)."""
     exe = replayer or find_replayer()
     tmp = None
     argv = [exe]
@@ -126,6 +127,8 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
         argv += ["--repeat", str(int(repeat)), "--json"]
         if partial:
             argv.append("--partial")
+        if gate:
+            argv += ["--gate", gate]
         argv.append(str(trace))
         with _RUNNING.lock:
             if _RUNNING.stopping:

@@ -290,3 +290,67 @@ def test_mean_resident_memory_shows_what_a_policy_keeps_through_idle_time(tmp_pa
         assert run["wall_s"] >= 0.6
     assert lean["mean_rss_bytes"] < 0.75 * keep["mean_rss_bytes"], (lean["mean_rss_bytes"], keep["mean_rss_bytes"])
     assert "mean " in replay(tr).stdout
+
+
+def gap_trace(path):
+    """One thread: 100 small allocations, 0.3 s of nothing, their frees."""
+    w = TraceWriter(path, pid=1, exe="/usr/bin/gap")
+    evs = [(MALLOC, 64, 0, 0x1000 + 64 * i, 0, 1000 + i) for i in range(100)]
+    evs += [(FREE, 0, 0, 0x1000 + 64 * i, 0, 300_000_000 + i) for i in range(100)]
+    w.chunk(1, evs)
+    w.close()
+
+
+def test_a_closed_gate_holds_the_replay_and_the_hold_is_kept_out_of_its_pacing(tmp_path):
+    """--gate (learnd's screening of an intermittent program): while the
+    gate's byte is set the replay waits between events; once it is cleared
+    the replay goes on, and the trace's 0.3 s gap still comes after the
+    hold instead of being eaten by it."""
+    import time
+    tr, gate = tmp_path / "gap.trace", tmp_path / "gate"
+    gap_trace(tr)
+    gate.write_bytes(b"\1")
+    p = subprocess.Popen([str(REPLAY), "--json", "--gate", str(gate), str(tr)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        time.sleep(0.7)
+        assert p.poll() is None, "a closed gate held nothing"
+        with open(gate, "r+b") as f:
+            f.write(b"\0")
+        out, err = p.communicate(timeout=scaled(30))
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    run = json.loads(out)["runs"][0]
+    assert run["ops"] == 200
+    assert run["held_s"] >= 0.5, run
+    assert run["wall_s"] >= run["held_s"] + 0.28, "the trace's gap was not kept after the hold"
+    free = replay_json("--gate", gate, tr)["runs"][0]
+    assert free["held_s"] == 0 and free["wall_s"] < 0.6
+
+
+def test_a_gate_nobody_opens_slows_a_replay_and_never_stops_it(tmp_path):
+    tr, gate = tmp_path / "one.trace", tmp_path / "gate"
+    w = TraceWriter(tr, pid=1, exe="/usr/bin/one")
+    w.chunk(1, [(MALLOC, 64, 0, 0x1000, 0, 1000)])
+    w.close()
+    gate.write_bytes(b"\1")
+    run = replay_json("--gate", gate, tr)["runs"][0]
+    assert run["ops"] == 1 and 1.9 <= run["held_s"] <= 3.0, run
+
+
+@pytest.mark.parametrize("kind", ["link", "missing", "empty", "directory"])
+def test_a_gate_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, kind):
+    tr, gate = tmp_path / "gap.trace", tmp_path / "gate"
+    gap_trace(tr)
+    if kind == "link":
+        (tmp_path / "real").write_bytes(b"\0")
+        os.symlink(tmp_path / "real", gate)
+    elif kind == "empty":
+        gate.write_bytes(b"")
+    elif kind == "directory":
+        gate.mkdir()
+    r = replay("--gate", gate, tr, check=False)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "--gate" in r.stderr, r.stderr

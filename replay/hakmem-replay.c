@@ -363,8 +363,9 @@ static void touch(void* p, uint64_t n) {
 }
 
 /* --gate: learnd screens policies on a live program's trace while that
- * program runs, and an intermittent program's bursts cost it twice as much
- * while other processes fault memory in beside them. So between two events
+ * program runs, and an intermittent program's bursts took up to five times
+ * their CPU time while screening ran beside them; learnd holds the replays
+ * through the bursts and the time around them (screen.Gate). Between two events
  * (never inside an allocator call: the policy's slow-path time is not the
  * wait's) a replay thread waits while the gate's byte says the program is
  * running. The gate is learnd's file; a hold is bounded here all the same,

@@ -244,11 +244,7 @@ def test_idle_gaps_are_kept(tmp_path):
     its objects freed after the gap meet a drain interval that passed;
     --pace none runs it back to back."""
     tr = tmp_path / "gap.trace"
-    w = TraceWriter(tr, pid=1, exe="/usr/bin/gap")
-    evs = [(MALLOC, 64, 0, 0x1000 + 64 * i, 0, 1000 + i) for i in range(100)]
-    evs += [(FREE, 0, 0, 0x1000 + 64 * i, 0, 300_000_000 + i) for i in range(100)]
-    w.chunk(1, evs)
-    w.close()
+    gap_trace(tr)
     paced = replay_json(tr)
     assert paced["pace"] == "idle"
     assert paced["runs"][0]["wall_s"] >= 0.29 and paced["runs"][0]["idle_s"] >= 0.25
@@ -340,7 +336,7 @@ def test_a_gate_nobody_opens_slows_a_replay_and_never_stops_it(tmp_path):
     assert run["ops"] == 1 and 1.9 <= run["held_s"] <= 3.0, run
 
 
-@pytest.mark.parametrize("kind", ["link", "missing", "empty", "directory"])
+@pytest.mark.parametrize("kind", ["link", "missing", "empty", "directory", "fifo"])
 def test_a_gate_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, kind):
     tr, gate = tmp_path / "gap.trace", tmp_path / "gate"
     gap_trace(tr)
@@ -351,6 +347,8 @@ def test_a_gate_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, kind
         gate.write_bytes(b"")
     elif kind == "directory":
         gate.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(gate)       # opened without blocking, then refused
     r = replay("--gate", gate, tr, check=False)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "--gate" in r.stderr, r.stderr

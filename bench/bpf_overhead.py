@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""What hakmem-bpf's tracing costs a program: the bench runner's random_mixed
-and larson_2t (their arguments from bench/run.py), preloaded with hakmem,
+"""What hakmem-bpf's tracing costs a program: the bench runner's random_mixed,
+larson_2t and large_churn (their arguments from bench/run.py; large_churn
+spends most of its time in page faults, the others barely fault), preloaded
+with hakmem,
 with hakmem-bpf counting the benchmark's pid vs without hakmem-bpf loaded at
 all, runs interleaved (off, on, on, off, ...) so a slow minute of a shared
 machine falls on both. Prints each config's median ops/s and median CPU time
@@ -28,7 +30,7 @@ BUILD = ROOT / os.environ.get("BUILD", "build")
 sys.path.insert(0, str(ROOT / "learner"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-CONFIGS = ("random_mixed", "larson_2t")
+CONFIGS = ("random_mixed", "larson_2t", "large_churn")
 
 
 def fail(msg):
@@ -169,11 +171,11 @@ def main():
     if a.json:
         print(json.dumps(res, indent=1))
     else:
-        print(f"{'config':<14} {'untraced Mops/s':>16} {'traced Mops/s':>14} {'difference':>11}"
+        print(f"{'config':<14} {'untraced ops/s':>16} {'traced ops/s':>14} {'difference':>11}"
               f" {'untraced CPU ns/op':>19} {'traced CPU ns/op':>17} {'difference':>11} {'BPF run time / CPU':>19}")
         for name, r in res.items():
-            print(f"{name:<14} {r['off_ops_per_s'] / 1e6:>16.2f} {r['on_ops_per_s'] / 1e6:>14.2f} "
-                  f"{r['diff_pct']:>+10.2f}% {r['off_cpu_ns_per_op']:>19.2f} {r['on_cpu_ns_per_op']:>17.2f} "
+            print(f"{name:<14} {r['off_ops_per_s']:>16.4g} {r['on_ops_per_s']:>14.4g} "
+                  f"{r['diff_pct']:>+10.2f}% {r['off_cpu_ns_per_op']:>19.4g} {r['on_cpu_ns_per_op']:>17.4g} "
                   f"{r['cpu_diff_pct']:>+10.2f}% "
                   + (f"{r['bpf_cpu_share_pct']:>18.4f}%" if r['bpf_cpu_share_pct'] is not None else f"{'–':>19}"))
     return 0

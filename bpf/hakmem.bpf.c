@@ -10,8 +10,10 @@
  * CO-RE: built once against the running kernel's BTF (vmlinux.h dumped at
  * build time) and relocated by libbpf where it loads. Syscall tracepoints
  * (syscalls:sys_enter_* / sys_exit_*) are the stable ABI for the calls;
- * exceptions:page_fault_user for faults (x86; elsewhere the loader reports
- * that it could not attach it and the fault count stays zero).
+ * exceptions:page_fault_user for faults (x86), attached only where the
+ * kprobe pair on handle_mm_fault times them too: it runs for every fault of
+ * every process, so where it would only count, the loader reads the count
+ * from /proc/PID/stat instead (loader.c, faults_from_proc).
  *
  * Every map is bounded: a pid set of MAX_PIDS, counters for as many, and the
  * in-flight call start times in an LRU keyed by thread, so a thread killed

@@ -8,7 +8,7 @@
 #define HAKMEM_KERNEL_H
 
 #define HK_KERNEL_COUNTERS(X) \
-  X(k_faults, K_FAULTS, "user page faults (exceptions:page_fault_user)") \
+  X(k_faults, K_FAULTS, "user page faults since the pid joined the set (exceptions:page_fault_user where handle_mm_fault can be timed, else /proc/PID/stat minflt + majflt)") \
   X(k_mmap, K_MMAP, "mmap calls") \
   X(k_munmap, K_MUNMAP, "munmap calls") \
   X(k_madvise, K_MADVISE, "madvise calls") \

@@ -88,6 +88,39 @@ static void usage(FILE *f)
 static uint32_t set[MAX_PIDS];
 static size_t nset;
 
+/* Where the kernel cannot time faults (no kprobe on handle_mm_fault), the
+ * fault tracepoint is left off: it would run for every fault of every process
+ * on the machine (spikes, which faults in its bursts, measured +4% CPU per
+ * burst with it on) to count what /proc/PID/stat already counts. Then each
+ * pid's k_faults is its minflt + majflt since it joined the set, read here
+ * once per sample: `base` at joining, `last` so a pid that is gone keeps its
+ * count rather than going back to 0. */
+static int faults_from_proc;
+static uint64_t base[MAX_PIDS], last[MAX_PIDS];
+
+/* minflt + majflt of a process, or -1 (gone, or a line we do not understand). */
+static int64_t proc_faults(uint32_t pid)
+{
+	char path[64], buf[1024];
+	snprintf(path, sizeof(path), "/proc/%u/stat", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+	if (fd < 0)
+		return -1;
+	ssize_t r = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (r <= 0)
+		return -1;
+	buf[r] = 0;
+	/* The name in (...) may hold anything, ')' and spaces included: fields
+	 * count from the last ')'. After it: state ppid pgrp session tty_nr tpgid
+	 * flags minflt cminflt majflt. */
+	char *p = strrchr(buf, ')');
+	unsigned long long minflt, majflt;
+	if (!p || sscanf(p + 1, " %*s %*s %*s %*s %*s %*s %*s %llu %*s %llu", &minflt, &majflt) != 2)
+		return -1;
+	return (int64_t)(minflt + majflt);
+}
+
 static int in_list(const uint32_t *v, size_t n, uint32_t pid)
 {
 	for (size_t i = 0; i < n; i++)
@@ -118,12 +151,26 @@ static void apply_pids(struct hakmem_bpf *skel, char *line)
 		bpf_map_delete_elem(fd_pids, &set[i]);
 		bpf_map_delete_elem(fd_counts, &set[i]);
 	}
+	static uint64_t next_base[MAX_PIDS], next_last[MAX_PIDS];
 	for (size_t i = 0; i < n; i++) {
 		uint8_t one = 1;
 		if (bpf_map_update_elem(fd_pids, &next[i], &one, BPF_ANY) && verbose)
 			fprintf(stderr, "hakmem-bpf: pid %u: %s\n", next[i], strerror(errno));
+		size_t j = 0;
+		while (j < nset && set[j] != next[i])
+			j++;
+		if (j < nset) {
+			next_base[i] = base[j];
+			next_last[i] = last[j];
+		} else {
+			int64_t f = faults_from_proc ? proc_faults(next[i]) : -1;
+			next_base[i] = f > 0 ? (uint64_t)f : 0;
+			next_last[i] = 0;
+		}
 	}
 	memcpy(set, next, n * sizeof(next[0]));
+	memcpy(base, next_base, n * sizeof(next_base[0]));
+	memcpy(last, next_last, n * sizeof(next_last[0]));
 	nset = n;
 }
 
@@ -151,6 +198,12 @@ static int send_sample(void *sock, struct hakmem_bpf *skel, uint64_t seq, const 
 			for (int c = 0; c < ncpu; c++)
 				for (int k = 0; k < HK_KERN_N; k++)
 					values[n][k] += percpu[c].v[k];
+		if (faults_from_proc) {
+			int64_t f = proc_faults(pid);
+			if (f >= 0 && (uint64_t)f >= base[i] + last[i])
+				last[i] = (uint64_t)f - base[i];
+			values[n][HK_KERN_K_FAULTS] = last[i];
+		}
 		hakmem__v1__kernel_proc__init(&procs[n]);
 		procs[n].pid = pid;
 		procs[n].n_values = HK_KERN_N;
@@ -210,33 +263,50 @@ static struct hakmem_bpf *load(char *note, size_t note_len)
 		die(EX_NOTRACEFS, "tracefs is not mounted at /sys/kernel/tracing (mount -t tracefs nodev /sys/kernel/tracing)");
 	}
 	note[0] = 0;
+	/* Two passes: the fault tracepoint is attached last, and only where the
+	 * kprobe pair that times faults attached (see faults_from_proc). */
+	int timed = 0;
 	struct bpf_program *prog;
-	bpf_object__for_each_program(prog, skel->obj) {
-		struct bpf_link *link = bpf_program__attach(prog);
-		if (!link) {
-			int e = errno;
+	for (int pass = 0; pass < 2; pass++) {
+		bpf_object__for_each_program(prog, skel->obj) {
 			const char *name = bpf_program__name(prog);
-			size_t used = strlen(note);
-			if (strcmp(name, "hk_fault") == 0) {
-				/* Not x86: no exceptions:page_fault_user. The calls still count. */
-				snprintf(note + used, note_len - used, "%spage faults not counted: %s",
-					 used ? "; " : "", strerror(e));
+			int is_count = strcmp(name, "hk_fault") == 0;
+			if (is_count != (pass == 1))
+				continue;
+			if (is_count && timed < 2) {
+				faults_from_proc = 1;
 				continue;
 			}
-			if (strncmp(name, "hk_fault_", 9) == 0) {
-				/* No fentry here: faults are counted, not timed. */
-				if (!strstr(note, "fault time"))
-					snprintf(note + used, note_len - used, "%sfault time not measured (no kprobe on handle_mm_fault: %s)",
+			struct bpf_link *link = bpf_program__attach(prog);
+			if (!link) {
+				int e = errno;
+				size_t used = strlen(note);
+				if (is_count) {
+					/* Not x86: no exceptions:page_fault_user. /proc counts them. */
+					faults_from_proc = 1;
+					snprintf(note + used, note_len - used, "%spage faults counted from /proc (no fault tracepoint: %s)",
 						 used ? "; " : "", strerror(e));
-				continue;
+					continue;
+				}
+				if (strncmp(name, "hk_fault_", 9) == 0) {
+					/* No kprobes here: faults are counted, not timed. */
+					if (!strstr(note, "fault time"))
+						snprintf(note + used, note_len - used,
+							 "%sfault time not measured (no kprobe on handle_mm_fault: %s); "
+							 "page faults counted from /proc",
+							 used ? "; " : "", strerror(e));
+					continue;
+				}
+				hakmem_bpf__destroy(skel);
+				if (e == EPERM || e == EACCES)
+					die(EX_PERM, "not permitted to attach BPF programs (needs root, or CAP_BPF with CAP_PERFMON)");
+				die(EX_OTHER, "cannot attach %s: %s", name, strerror(e));
 			}
-			hakmem_bpf__destroy(skel);
-			if (e == EPERM || e == EACCES)
-				die(EX_PERM, "not permitted to attach BPF programs (needs root, or CAP_BPF with CAP_PERFMON)");
-			die(EX_OTHER, "cannot attach %s: %s", bpf_program__name(prog), strerror(e));
+			if (strncmp(name, "hk_fault_", 9) == 0)
+				timed++;
+			if (nlinks < sizeof(links) / sizeof(links[0]))
+				links[nlinks++] = link;
 		}
-		if (nlinks < sizeof(links) / sizeof(links[0]))
-			links[nlinks++] = link;
 	}
 	return skel;
 }

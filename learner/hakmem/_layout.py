@@ -202,7 +202,9 @@ BATCH_DEFAULT_MAX = 256
 
 # hakmem-bpf's counters (kernel_counters), in the loader's order, with
 # their descriptions; cumulative per process, rates per second in a Window.
-KERNEL_COUNTERS = [('k_faults', 'user page faults (exceptions:page_fault_user)'),
+KERNEL_COUNTERS = [('k_faults',
+  'user page faults since the pid joined the set (exceptions:page_fault_user where handle_mm_fault '
+  'can be timed, else /proc/PID/stat minflt + majflt)'),
  ('k_mmap', 'mmap calls'),
  ('k_munmap', 'munmap calls'),
  ('k_madvise', 'madvise calls'),

@@ -97,6 +97,7 @@ static size_t nset;
  * count rather than going back to 0. */
 static int faults_from_proc;
 static uint64_t base[MAX_PIDS], last[MAX_PIDS];
+#define NO_BASE UINT64_MAX
 
 /* minflt + majflt of a process, or -1 (gone, or a line we do not understand). */
 static int64_t proc_faults(uint32_t pid)
@@ -164,7 +165,7 @@ static void apply_pids(struct hakmem_bpf *skel, char *line)
 			next_last[i] = last[j];
 		} else {
 			int64_t f = faults_from_proc ? proc_faults(next[i]) : -1;
-			next_base[i] = f > 0 ? (uint64_t)f : 0;
+			next_base[i] = f >= 0 ? (uint64_t)f : NO_BASE;   /* read at its first sample */
 			next_last[i] = 0;
 		}
 	}
@@ -200,6 +201,8 @@ static int send_sample(void *sock, struct hakmem_bpf *skel, uint64_t seq, const 
 					values[n][k] += percpu[c].v[k];
 		if (faults_from_proc) {
 			int64_t f = proc_faults(pid);
+			if (f >= 0 && base[i] == NO_BASE)
+				base[i] = (uint64_t)f;
 			if (f >= 0 && (uint64_t)f >= base[i] + last[i])
 				last[i] = (uint64_t)f - base[i];
 			values[n][HK_KERN_K_FAULTS] = last[i];

@@ -7,7 +7,8 @@ socket there), run as the `postgres` account with hakmem preloaded; learnd on
 a fresh state directory tunes it for --seconds under `pgbench -c 4`; then
 learnd is restarted with --no-explore and fresh postmasters alternate: one
 whose telemetry directory has no learnd (hakmem's default policy), one
-under learnd (the stored best at once), --rounds times. Each round is
+under learnd (the stored best at once), --rounds times, who goes first
+alternating from round to round. Each round is
 `pgbench -c 4 -T --run-seconds` (TPS) while the server's proportional set
 size (Pss, /proc/PID/smaps_rollup, summed over the postmaster and its
 children: shared buffers are counted once) is sampled every 0.5 s.
@@ -242,7 +243,10 @@ def main(argv=None):
         learnd = Learnd(work, shm, "--no-explore")
         runs = {"default": [], "learned": []}
         for rnd in range(1, a.rounds + 1):
-            for which in ("default", "learned"):
+            # ABBA: each pgbench run grows the tables and the WAL it leaves
+            # (checkpoints come due), so the second run of a pair is not the
+            # first's equal; alternating who goes first spreads that over both.
+            for which in (("default", "learned") if rnd % 2 else ("learned", "default")):
                 cl.start(nolearnd if which == "default" else shm)
                 tps, pss = measure(cl, a.run_seconds)
                 cl.stop()

@@ -90,8 +90,8 @@ static size_t nset;
 
 /* Where the kernel cannot time faults (no kprobe on handle_mm_fault), the
  * fault tracepoint is left off: it would run for every fault of every process
- * on the machine (spikes, which faults in its bursts, measured +4% CPU per
- * burst with it on) to count what /proc/PID/stat already counts. Then each
+ * on the machine (1.4% of large_churn's CPU, bench/bpf_overhead.py) to count
+ * what /proc/PID/stat already counts. Then each
  * pid's k_faults is its minflt + majflt since it joined the set, read here
  * once per sample: `base` at joining, `last` so a pid that is gone keeps its
  * count rather than going back to 0. */

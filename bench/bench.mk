@@ -9,8 +9,9 @@ BENCH_BINS   := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 BENCH_CFLAGS := -std=gnu11 -O2 -g -pthread -Wall -Wextra -Wno-unused-parameter
 PY           ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 BENCH_ARGS   ?=
+SERVICES_ARGS ?=
 
-.PHONY: bench bench-build bench-smoke
+.PHONY: bench bench-build bench-smoke bench-services
 
 bench-build: $(BENCH_BINS) ## build the benchmarks (build/bench/)
 
@@ -21,6 +22,9 @@ $(BUILD)/bench/%: bench/%.c bench/common.h bench/bench.mk
 
 bench: lib venv bench-build ## compare hakmem with glibc, mimalloc, jemalloc, tcmalloc (BENCH_ARGS=--quick); tables in bench/results/
 	$(Q)$(PY) bench/run.py $(BENCH_ARGS)
+
+bench-services: lib venv ## hakmem against glibc and the peers inside PostgreSQL (pgbench) and redis (redis-benchmark), as root (SERVICES_ARGS=--quick)
+	$(Q)$(PY) bench/services.py $(SERVICES_ARGS)
 
 bench-smoke: lib bench-build ## run every benchmark briefly under hakmem and check its result line
 	$(Q)BUILD=$(BUILD) bench/smoke.sh $(BUILD)/libhakmem.so

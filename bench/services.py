@@ -100,10 +100,26 @@ def status_kib(pid: int, field: str) -> int:
     return 0
 
 
+def cpu_ticks(pid: int, reaped: bool = False) -> int:
+    """A process's user + system time in clock ticks (all its threads), and
+    with reaped its waited-for children's too; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        f_ = data[data.rindex(b")") + 2:].split()     # from the 3rd field on, whatever the name holds
+        return int(f_[11]) + int(f_[12]) + ((int(f_[13]) + int(f_[14])) if reaped else 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+
+
 # ---- PostgreSQL ----------------------------------------------------------------------
 class Postgres:
     name = "postgres"
     metrics = ("tps",)
+    work_unit = "transaction"
 
     def __init__(self, work: pathlib.Path, nodir: str, seconds: int, scale: int):
         if os.geteuid() != 0:
@@ -135,15 +151,28 @@ class Postgres:
         # directory given: an absent one leaves hakmem's default policy.
         self.cl.start(self.nodir)
 
+    def server_cpu(self) -> int:
+        """The server's CPU ticks so far: the postmaster, its live children and
+        those it reaped (backends of earlier connections)."""
+        pm = self.cl.pm.pid
+        return cpu_ticks(pm, reaped=True) + sum(cpu_ticks(c) for c in tune_pg.children(pm))
+
     def run(self, lib: str | None) -> dict:
         try:
             self._start(lib)
+            idle = len(tune_pg.children(self.cl.pm.pid))
+            cpu0 = self.server_cpu()
             b = self.cl.pgbench("-c", tune_pg.CLIENTS, "-j", 2, "-T", self.seconds, "-n")
             samples = []
             while b.poll() is None:
                 time.sleep(0.5)
                 samples.append(self.cl.pss_kib())
             out, err = b.communicate()
+            # The backends exit as pgbench disconnects; reaped, their time is the postmaster's.
+            end = time.monotonic() + 5
+            while len(tune_pg.children(self.cl.pm.pid)) > idle and time.monotonic() < end:
+                time.sleep(0.02)
+            cpu = self.server_cpu() - cpu0
             alive = self.cl.pm is not None and self.cl.pm.poll() is None
             if b.returncode != 0 or not alive:
                 why = err.strip().splitlines()[-1:] or [f"exit {b.returncode}"]
@@ -151,8 +180,11 @@ class Postgres:
             tps = [float(ln.split("=")[1].split()[0]) for ln in out.splitlines() if ln.startswith("tps =")]
             if not tps:
                 raise ServiceError(f"pgbench printed no tps: {out.strip()[-200:]}")
+            done = [int(ln.split(":")[1].split("/")[0]) for ln in out.splitlines()
+                    if ln.startswith("number of transactions actually processed:")]
             kept = samples[len(samples) // 4:] or [0]
-            return {"tps": tps[0], "mem_kib": statistics.median(kept), "peak_kib": max(samples or [0])}
+            return {"tps": tps[0], "mem_kib": statistics.median(kept), "peak_kib": max(samples or [0]),
+                    "cpu_us": cpu * TICK_US / done[0] if done and done[0] else 0.0}
         except tune_pg.TuneError as e:
             raise ServiceError(str(e))
         finally:
@@ -166,6 +198,7 @@ class Postgres:
 class Redis:
     name = "redis"
     metrics = tuple(t.lower() for t in REDIS_TESTS)
+    work_unit = "request"
 
     def __init__(self, work: pathlib.Path, nodir: str, requests: int):
         if not (os.path.exists(REDIS) and os.path.exists(REDIS_BENCH)):
@@ -210,7 +243,9 @@ class Redis:
         try:
             self._start(lib)
             self._bench("set", 100000, "-q")           # the data set the tests read
+            cpu0 = cpu_ticks(self.p.pid)
             out = self._bench(",".join(t.lower() for t in REDIS_TESTS), self.requests, "--csv")
+            cpu = cpu_ticks(self.p.pid) - cpu0
             res = {}
             for ln in out.splitlines()[1:]:
                 cells = [c.strip('"') for c in ln.split(",")]
@@ -221,6 +256,7 @@ class Redis:
                 raise ServiceError(f"redis-benchmark printed no result for {', '.join(missing)}")
             res["mem_kib"] = status_kib(self.p.pid, "VmRSS")
             res["peak_kib"] = status_kib(self.p.pid, "VmHWM")
+            res["cpu_us"] = cpu * TICK_US / (self.requests * len(REDIS_TESTS))
             return res
         finally:
             self.stop()
@@ -268,7 +304,7 @@ def paired(hak: list[float], base: list[float]) -> dict:
 
 def summarize(service, runs: dict[str, list[dict]], failed: dict[str, str]) -> dict:
     rows = {}
-    for m in (*service.metrics, "mem_kib", "peak_kib"):
+    for m in (*service.metrics, "cpu_us", "mem_kib", "peak_kib"):
         med, spread = {}, {}
         for a, rs in runs.items():
             v = [r[m] for r in rs]
@@ -308,8 +344,9 @@ def table(result: dict) -> str:
              "|---|---|" + "---:|" * len(allocs) + "---:|---:|---|"]
     for sname, s in result["services"].items():
         for m, row in s["rows"].items():
-            is_mem = m in ("mem_kib", "peak_kib")
-            label = {"tps": "TPS", "mem_kib": "server memory (MiB)" + (" Pss" if sname == "postgres" else " RSS"),
+            is_mem = m in ("mem_kib", "peak_kib", "cpu_us")
+            label = {"tps": "TPS", "cpu_us": f"server CPU per {'transaction' if sname == 'postgres' else 'request'} (µs)",
+                     "mem_kib": "server memory (MiB)" + (" Pss" if sname == "postgres" else " RSS"),
                      "peak_kib": "peak memory (MiB)" + (" Pss" if sname == "postgres" else " VmHWM")}.get(m, f"{m.upper()} req/s")
 
             def cell(a):
@@ -319,7 +356,8 @@ def table(result: dict) -> str:
                 if v is None:
                     return "–"
                 sp = row["spread"].get(a, 0)
-                return (f"{v / 1024:.1f}" if is_mem else fmt_num(v)) + f" ±{sp * 50:.0f}%"
+                shown = f"{v:.1f}" if m == "cpu_us" else f"{v / 1024:.1f}" if is_mem else fmt_num(v)
+                return shown + f" ±{sp * 50:.0f}%"
             if is_mem:
                 vg = row.get("vs_glibc")
                 vp = row.get("vs_peer_median")
@@ -422,7 +460,8 @@ def main(argv=None) -> int:
                         continue
                     runs[n].append(r)
                     say(f"{s} round {rnd + 1}/{a.rounds}: {n}: " +
-                        ", ".join(f"{m} {fmt_num(r[m])}" for m in svc.metrics) + f", memory {r['mem_kib'] / 1024:.1f} MiB")
+                        ", ".join(f"{m} {fmt_num(r[m])}" for m in svc.metrics) +
+                        f", server CPU {r['cpu_us']:.1f} µs per {svc.work_unit}, memory {r['mem_kib'] / 1024:.1f} MiB")
             svc.close()
             result["services"][s] = {"runs": runs, "failed": failed, "rows": summarize(svc, runs, failed)}
         how = {"postgres": f"PostgreSQL 15: pgbench -c {tune_pg.CLIENTS} -j 2 -T {a.pg_seconds} at scale {a.pg_scale}",

@@ -70,7 +70,7 @@ def test_redis_and_postgres_measured_side_by_side(tmp_path):
         for a in ("glibc", "hakmem"):
             assert len(s["runs"][a]) == 1
             run_ = s["runs"][a][0]
-            for m in metrics:
+            for m in (*metrics, "cpu_us"):
                 assert run_[m] > 0, (svc, a, m, run_)
             # A real server's memory: more than a bare process, under what this machine has.
             assert 4 * 1024 < run_["mem_kib"] <= run_["peak_kib"] + 1 < 16 << 20, (svc, a, run_)
@@ -79,7 +79,7 @@ def test_redis_and_postgres_measured_side_by_side(tmp_path):
             assert row["vs_glibc"] == pytest.approx(row["median"]["hakmem"] / row["median"]["glibc"])
             assert row["paired_glibc"]["per_round"] == [pytest.approx(row["vs_glibc"])]
     md = (tmp_path / "services.md").read_text()
-    assert md.count("| postgres |") == 3 and md.count("| redis |") == 7
+    assert md.count("| postgres |") == 4 and md.count("| redis |") == 8
     assert json.loads((tmp_path / "services.json").read_text())["services"].keys() == {"postgres", "redis"}
     dirs, procs = leftovers()
     assert set(dirs) <= set(before_dirs) and procs == [], (dirs, procs)

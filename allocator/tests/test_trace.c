@@ -23,6 +23,9 @@
  *   exec_image       with %p, an image that execs leaves its file (no footer)
  *                    and the new one, same pid, writes PATH.1 in full
  *   fork_child       a forked child writes nothing into the parent's file
+ *   resident         when a capture ends, the threads' event buffers go back
+ *                    to the OS: 32 threads' worth (80 KiB each) leaves the
+ *                    process's resident set
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -111,6 +114,53 @@ static void workload_fork(void) {
   if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) _exit(4);
 }
 
+/* 32 threads each record 2000 events (their buffers hold 2048: none is
+ * flushed) and wait; then this thread records until its own buffer fills,
+ * which passes HAKMEM_TRACE_MAX_BYTES and ends the capture. VmRSS before and
+ * after goes to TEST_RSS_OUT. */
+#define N_RES_THREADS 32
+static pthread_barrier_t res_filled, res_done;
+
+static void* thread_fill(void* arg) {
+  for (int i = 0; i < 1000; i++) free(malloc(777));
+  pthread_barrier_wait(&res_filled);
+  pthread_barrier_wait(&res_done);
+  return NULL;
+}
+
+static long vm_rss_kib(void) {
+  char buf[4096];
+  int fd = open("/proc/self/status", O_RDONLY);
+  ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+  if (fd >= 0) close(fd);
+  if (n <= 0) return -1;
+  buf[n] = 0;
+  char* at = strstr(buf, "VmRSS:");
+  return at ? strtol(at + 6, NULL, 10) : -1;
+}
+
+static void workload_resident(void) {
+  pthread_t th[N_RES_THREADS];
+  pthread_barrier_init(&res_filled, NULL, N_RES_THREADS + 1);
+  pthread_barrier_init(&res_done, NULL, N_RES_THREADS + 1);
+  for (int t = 0; t < N_RES_THREADS; t++)
+    if (pthread_create(&th[t], NULL, thread_fill, NULL)) _exit(6);
+  pthread_barrier_wait(&res_filled);
+  long before = vm_rss_kib();
+  for (int i = 0; i < 1100; i++) free(malloc(777));   /* 2200 events: a chunk, then the end */
+  long after = vm_rss_kib();
+  pthread_barrier_wait(&res_done);
+  for (int t = 0; t < N_RES_THREADS; t++) pthread_join(th[t], NULL);
+  const char* out = getenv("TEST_RSS_OUT");
+  if (out) {
+    FILE* f = fopen(out, "w");
+    if (f) {
+      fprintf(f, "%ld %ld\n", before, after);
+      fclose(f);
+    }
+  }
+}
+
 static int child_main(const char* what) {
   if (!strcmp(what, "exec")) {   /* a wrapper: allocates, then becomes the real program */
     for (int i = 0; i < 100; i++) free(malloc(4444));
@@ -120,6 +170,7 @@ static int child_main(const char* what) {
   if (!strcmp(what, "full")) workload_full();
   else if (!strcmp(what, "sampled")) workload_sampled();
   else if (!strcmp(what, "fork")) workload_fork();
+  else if (!strcmp(what, "resident")) workload_resident();
   else return 2;
   const char* st = getenv("TEST_STATS_OUT");
   if (st) {
@@ -505,6 +556,33 @@ TEST(fork_child) {
   CHECK_EQ(count(&d, HAKMEM__TRACE__V1__OP__MALLOC, 777), N_MALLOC);   /* none of the child's */
 }
 
+TEST(resident) {
+  char p[512], rss[600], env[700];
+  snprintf(p, sizeof p, "%s/resident.trace", dir);
+  snprintf(rss, sizeof rss, "%s/resident.rss", dir);
+  snprintf(env, sizeof env, "TEST_RSS_OUT=%s", rss);
+  /* Past the header, before the first chunk: the first flush ends it. */
+  int st = run_child("resident", p, "HAKMEM_TRACE_MAX_BYTES=2000", env, 0);
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  decoded_t d;
+  decode(p, &d);
+  CHECK(d.ok && d.has_header && d.has_footer);
+  CHECK(!strcmp(d.f_reason, "limit_bytes"));
+  long before = -1, after = -1;
+  FILE* f = fopen(rss, "r");
+  CHECK(f != NULL);
+  if (f) {
+    CHECK(fscanf(f, "%ld %ld", &before, &after) == 2);
+    fclose(f);
+  }
+  /* 32 buffers of 2000 events each had 78 KiB written; what goes back is
+   * every page past a buffer's first. Half of that is the bound. */
+  CHECK(before > 0 && after > 0);
+  CHECK(before - after >= N_RES_THREADS * 36);
+  if (before - after < N_RES_THREADS * 36)
+    fprintf(stderr, "resident: VmRSS %ld KiB before the capture ended, %ld after\n", before, after);
+}
+
 int main(int argc, char** argv) {
   if (readlink("/proc/self/exe", self, sizeof self - 1) <= 0) return 1;
   if (argc > 1) return child_main(argv[1]);
@@ -517,6 +595,7 @@ int main(int argc, char** argv) {
   RUN(max_bytes);
   RUN(exec_image);
   RUN(fork_child);
+  RUN(resident);
   char cmd[600];
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   if (harness_passed + harness_failed && !harness_failed) (void)!system(cmd);

@@ -13,7 +13,7 @@
 
 /* Per size class (uint32_t[HK_NUM_CLASSES] in hk_policy_t). */
 #define HK_CLASS_KNOBS(X) \
-  X(tcache_cap, TCACHE_CAP, cap, "HAKMEM_TCACHE_CAP", "blocks", 0u, 4096u, -1, "blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 32 KiB, 256 KiB worth up to 128 KiB, none above: freed pages of any size serve those)") \
+  X(tcache_cap, TCACHE_CAP, cap, "HAKMEM_TCACHE_CAP", "blocks", 0u, 4096u, -1, "blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those)") \
   X(tcache_batch, TCACHE_BATCH, batch, "HAKMEM_TCACHE_BATCH", "blocks", 1u, 1024u, -1, "blocks moved per refill or drain (default: cap/2, at most 256)") \
   X(warm_slabs, WARM_SLABS, warm, "HAKMEM_WARM_SLABS", "slabs", 0u, 1024u, -1, "empty slabs a class keeps for reuse before returning them to the OS; fewer in all than the default also shrink, in proportion, the freed pages kept for any size (none keeps none) (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those)")
 

@@ -19,11 +19,11 @@ static inline uint32_t _hk_knob_clamp(uint64_t v, uint32_t lo, uint32_t hi) {
   return v < lo ? lo : v > hi ? hi : (uint32_t)v;
 }
 
-/* tcache_cap (blocks): blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 32 KiB, 256 KiB worth up to 128 KiB, none above: freed pages of any size serve those) */
+/* tcache_cap (blocks): blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those) */
 #define HK_KNOB_TCACHE_CAP_MIN 0u
 #define HK_KNOB_TCACHE_CAP_MAX(size, slab) _hk_knob_clamp(8388608ull / (size), 1u, 4096u)
 #define HK_KNOB_TCACHE_CAP_AT_MOST(p, cls) UINT32_MAX
-#define HK_KNOB_TCACHE_CAP_DEFAULT(size, slab, p, cls) ((size) <= 1024u ? _hk_knob_clamp(65536ull / (size), 16u, 1024u) : ((size) <= 32768u ? _hk_knob_clamp(1048576ull / (size), 1u, 256u) : ((size) <= 131072u ? _hk_knob_clamp(262144ull / (size), 1u, 256u) : _hk_knob_clamp(0ull / (size), 0u, 0u))))
+#define HK_KNOB_TCACHE_CAP_DEFAULT(size, slab, p, cls) ((size) <= 1024u ? _hk_knob_clamp(65536ull / (size), 16u, 1024u) : ((size) <= 131072u ? _hk_knob_clamp(1048576ull / (size), 1u, 256u) : _hk_knob_clamp(0ull / (size), 0u, 0u)))
 
 /* tcache_batch (blocks): blocks moved per refill or drain (default: cap/2, at most 256) */
 #define HK_KNOB_TCACHE_BATCH_MIN 1u

@@ -102,7 +102,7 @@ typedef struct {
   uint64_t checksum;  /* @8: FNV-1a 64 of version (8 bytes LE) followed by the slot's bytes after checksum to the end */
   uint32_t drain_ms;  /* @16: ms, idle drain interval: classes a thread did not use for this long return their cached blocks, warm pools nobody drew from shrink by half (0 = never) */
   uint32_t flags;  /* @20: 0 */
-  uint32_t tcache_cap[61];  /* @24: blocks, blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 32 KiB, 256 KiB worth up to 128 KiB, none above: freed pages of any size serve those) (class 0: 0) */
+  uint32_t tcache_cap[61];  /* @24: blocks, blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those) (class 0: 0) */
   uint32_t tcache_batch[61];  /* @268: blocks, blocks moved per refill or drain (default: cap/2, at most 256) (class 0: 0) */
   uint32_t warm_slabs[61];  /* @512: slabs, empty slabs a class keeps for reuse before returning them to the OS; fewer in all than the default also shrink, in proportion, the freed pages kept for any size (none keeps none) (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) (class 0: 0) */
   uint32_t _pad0;  /* @756 */

@@ -52,8 +52,7 @@ def default_knobs():
         # Above 128 KiB a class caches nothing of its own: freed pages of any
         # size serve it (segment.c "dirty pages").
         cap[c] = (clampi((64 << 10) // s, 16, 1024) if s <= 1024 else
-                  clampi(MIB // s, 1, 256) if s <= 32 << 10 else
-                  clampi((256 << 10) // s, 1, 256) if s <= 128 << 10 else 0)
+                  clampi(MIB // s, 1, 256) if s <= 128 << 10 else 0)
         batch[c] = min(max(cap[c] // 2, 1), 256)
         warm[c] = clampi(MIB // slab_bytes(s), 1, 1024) if s <= 128 << 10 else 0
     return {"drain_ms": 1000, "tcache_cap": cap, "tcache_batch": batch, "warm_slabs": warm}

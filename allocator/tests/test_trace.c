@@ -596,8 +596,15 @@ int main(int argc, char** argv) {
   RUN(exec_image);
   RUN(fork_child);
   RUN(resident);
-  char cmd[600];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  if (harness_passed + harness_failed && !harness_failed) (void)!system(cmd);
+  /* Removed even after a failure: the mutation runs fail on purpose, and
+   * every one left a directory of traces in /tmp. */
+  if (getenv("HAKMEM_TEST_KEEP")) {
+    fprintf(stderr, "test_trace: kept %s\n", dir);
+  } else {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    (void)!system(cmd);
+    if (harness_failed) fprintf(stderr, "test_trace: HAKMEM_TEST_KEEP=1 keeps the traces for a look\n");
+  }
   return harness_done();
 }

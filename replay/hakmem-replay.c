@@ -642,9 +642,12 @@ static void stats_flat(const hk_stats_t* s, uint64_t* proc, uint64_t* cls) {
 }
 
 static int run_once(int out_fd) {
+  /* Loading decodes the whole trace and touches its arrays: as much work
+   * as a burst of the replay's, so it waits for the gate too. */
+  if (gate_path) open_gate();
+  if (gate && *gate) (void)gate_hold();
   load_trace();
   rename_objects();
-  if (gate_path) open_gate();
   hk_policy_t pol;
   load_policy(&pol);
   if (policy_path && hk_policy_set(&pol) == 0)

@@ -196,6 +196,14 @@ class Gate:
     the worst window after 10 s at 1.02, 1.05 and 1.03 times the default's
     median, where the default's own worst was 1.07, 1.04 and 1.03.
 
+    The gate watches from the capture's request on (Screen._ask), so it
+    knows the period before the first replay starts, and a replay waits
+    for it before it loads its trace too. Started with the replays, it saw
+    the first two bursts beside them unguarded: on spikes, the worst window
+    after 10 s (default's median = 1) was past the default's own worst in 4
+    of 9 runs (one burst at 55-79 ms of CPU); watching from the capture, in
+    2 of 9 (one such burst, and 1.043 against 1.028).
+
     So the replays run in the middle of the program's idle time. A thread
     here reads the program's CPU time (/proc/PID/stat, all its threads)
     every POLL_S; a burst starts when it moves and ends QUIET_S after it
@@ -288,10 +296,18 @@ class Gate:
             self._set(want, now)
         self._set(False, self.clock.monotonic())
 
+    def count_from(self, now: float):
+        """Holds are counted from here (the replays' start), not from the
+        capture's, when the gate began to watch."""
+        self.closings, self.closed_s = int(self.closed), 0.0
+        if self.closed:
+            self._since = now
+
     def close(self):
         self._stop.set()
         self._thread.join()
-        for fd in (self._stat, self.fd):
+        fds, self._stat, self.fd = (self._stat, self.fd), None, None
+        for fd in fds:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -401,6 +417,12 @@ class Screen:
         self.rss_bytes = float(getattr(p, "last_rss", 0.0) or 0.0)
         self.req = C.request(p.ring, self.capture_s, self.max_bytes)
         self.state, self.t_started = self.CAPTURE, now
+        # Watching from the capture on, the gate knows the bursts' period
+        # when the first replay starts. Started with the replays, it saw its
+        # first two bursts unguarded: on spikes one of them took 80 ms of
+        # CPU against 15-20 (the replays, starting, took 18 ms of CPU beside it).
+        if self.intermittent:
+            self.gate = Gate(p.pid)
         self.deadline = now + ACK_WAIT_S
 
     def _wait_capture(self, procs, now):
@@ -469,7 +491,9 @@ class Screen:
         niced = set()
         # Only an intermittent program has idle time to replay in; a busy
         # one would hold every replay for MAX_CLOSED_S out of two.
-        gate = self.gate = Gate(self.proc.pid) if self.intermittent and self.proc is not None else None
+        gate = self.gate
+        if gate is not None:
+            gate.count_from(time.monotonic())
 
         def one(item):
             i, (label, k) = item
@@ -489,12 +513,10 @@ class Screen:
             res = R.run_replayer(self.path, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
                                  timeout=REPLAY_TIMEOUT_S, user=user, gate=gate and gate.path)
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
-        try:
-            with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
-                done = list(ex.map(one, enumerate(pol)))
-        finally:
-            if gate is not None:
-                gate.close()
+        with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
+            done = list(ex.map(one, enumerate(pol)))
+        if gate is not None:
+            gate.close()
         # Ranked in learnd's own units (replay.run_cost): the same prices as
         # a live window's, and what replay_runs stores and `policy explain`
         # shows.
@@ -515,6 +537,8 @@ class Screen:
 
     # ---- the end --------------------------------------------------------------------------
     def _cleanup(self):
+        if self.gate is not None:
+            self.gate.close()
         if self.path:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)

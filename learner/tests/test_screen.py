@@ -287,6 +287,27 @@ def test_an_intermittent_program_is_traced_long_enough_to_hold_bursts(monkeypatc
         assert s.step([p], 0.0) is None
     assert asked == [seconds] and s.capture_s == seconds and s.state == s.CAPTURE
     assert s.intermittent == (seconds == 6)
+    # An intermittent program's gate watches it from the capture on, so the
+    # bursts' period is known when the replays start.
+    assert (s.gate is not None) == s.intermittent
+    s.close()
+    assert s.gate is None or (not os.path.exists(s.gate.path) and not s.gate._thread.is_alive())
+
+
+def test_a_capture_that_fails_closes_the_gate_it_started(monkeypatch):
+    import types
+    import hakmem.capture as C
+    monkeypatch.setattr(C, "request", lambda ring, secs, max_bytes: 1)
+    s = Screen(make_ctx(), "/nonexistent", None, None)
+    p = types.SimpleNamespace(pid=os.getpid(), ring=types.SimpleNamespace(alive=True), last_allocs=0.0, last_rss=0.0)
+    for a in (500, 14000, 0, 14000):
+        p.last_allocs = float(a)
+        s.step([p], 0.0)
+    gate = s.gate
+    assert gate is not None and os.path.exists(gate.path) and gate._thread.is_alive()
+    assert s.step([], 1.0) == [] and s.state == s.FAILED and "ended during the capture" in s.why
+    assert not os.path.exists(gate.path) and not gate._thread.is_alive()
+    s.close()          # once more: nothing left to close, nothing closed twice
 
 
 def test_replays_run_side_by_side_as_far_as_memory_holds_them(monkeypatch):

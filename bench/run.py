@@ -717,8 +717,14 @@ def chart(result: dict, path: Path) -> str | None:
     return None
 
 
-def update_readme(path: Path, md: str) -> None:
-    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+def readme_markers(section: str) -> tuple[str, str]:
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+
+
+def update_readme(path: Path, md: str, section: str = "bench") -> None:
+    """Replaces the lines between README's `<!-- SECTION:begin -->` and
+    `<!-- SECTION:end -->` lines with md (bench/services.py's table too)."""
+    begin, end = readme_markers(section)
     lines = path.read_text().splitlines(keepends=True)
     starts = [i for i, l in enumerate(lines) if l.strip() == begin]
     ends = [i for i, l in enumerate(lines) if l.strip() == end]

@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 import tune_pg  # noqa: E402  the PostgreSQL cluster, shared with tools/tune_pg.py
 import run as bench_run  # noqa: E402  the allocators, shared with bench/run.py
+from hakmem import procfs  # noqa: E402  (learner/ is on the path through bench/run.py)
 
 SERVICES = ("postgres", "redis")
 ALLOCATORS = ("glibc", "hakmem", "mimalloc", "jemalloc", "tcmalloc")
@@ -67,7 +68,7 @@ REDIS = "/usr/bin/redis-server"
 REDIS_BENCH = "/usr/bin/redis-benchmark"
 REDIS_TESTS = ("SET", "GET", "LPUSH", "LPOP", "HSET")
 REDIS_ARGS = ["-c", "16", "-d", "256", "-r", "100000"]
-BEGIN, END = "<!-- services:begin -->", "<!-- services:end -->"
+BEGIN, END = bench_run.readme_markers("services")
 # Two-sided 95% critical values of Student's t by degrees of freedom (rounds - 1).
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 
@@ -100,19 +101,13 @@ def status_kib(pid: int, field: str) -> int:
     return 0
 
 
-def cpu_ticks(pid: int, reaped: bool = False) -> int:
-    """A process's user + system time in clock ticks (all its threads), and
-    with reaped its waited-for children's too; 0 when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        f_ = data[data.rindex(b")") + 2:].split()     # from the 3rd field on, whatever the name holds
-        return int(f_[11]) + int(f_[12]) + ((int(f_[13]) + int(f_[14])) if reaped else 0)
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+def cpu_s(pid: int, reaped: bool = False) -> float:
+    """A process's user + system seconds (all its threads), and with reaped
+    its waited-for children's too; 0 when it is gone."""
+    st = procfs.proc_stat(pid)
+    if st is None:
+        return 0.0
+    return st["utime"] + st["stime"] + ((st["cutime"] + st["cstime"]) if reaped else 0.0)
 
 
 # ---- PostgreSQL ----------------------------------------------------------------------
@@ -151,16 +146,16 @@ class Postgres:
         # directory given: an absent one leaves hakmem's default policy.
         self.cl.start(self.nodir)
 
-    def server_cpu(self) -> int:
-        """The server's CPU ticks so far: the postmaster, its live children and
+    def server_cpu(self) -> float:
+        """The server's CPU seconds so far: the postmaster, its live children and
         those it reaped (backends of earlier connections)."""
         pm = self.cl.pm.pid
-        return cpu_ticks(pm, reaped=True) + sum(cpu_ticks(c) for c in tune_pg.children(pm))
+        return cpu_s(pm, reaped=True) + sum(cpu_s(c) for c in procfs.proc_children(pm))
 
     def run(self, lib: str | None) -> dict:
         try:
             self._start(lib)
-            idle = len(tune_pg.children(self.cl.pm.pid))
+            idle = len(procfs.proc_children(self.cl.pm.pid))
             cpu0 = self.server_cpu()
             b = self.cl.pgbench("-c", tune_pg.CLIENTS, "-j", 2, "-T", self.seconds, "-n")
             samples = []
@@ -170,7 +165,7 @@ class Postgres:
             out, err = b.communicate()
             # The backends exit as pgbench disconnects; reaped, their time is the postmaster's.
             end = time.monotonic() + 5
-            while len(tune_pg.children(self.cl.pm.pid)) > idle and time.monotonic() < end:
+            while len(procfs.proc_children(self.cl.pm.pid)) > idle and time.monotonic() < end:
                 time.sleep(0.02)
             cpu = self.server_cpu() - cpu0
             alive = self.cl.pm is not None and self.cl.pm.poll() is None
@@ -184,7 +179,7 @@ class Postgres:
                     if ln.startswith("number of transactions actually processed:")]
             kept = samples[len(samples) // 4:] or [0]
             return {"tps": tps[0], "mem_kib": statistics.median(kept), "peak_kib": max(samples or [0]),
-                    "cpu_us": cpu * TICK_US / done[0] if done and done[0] else 0.0}
+                    "cpu_us": cpu * 1e6 / done[0] if done and done[0] else 0.0}
         except tune_pg.TuneError as e:
             raise ServiceError(str(e))
         finally:
@@ -243,9 +238,9 @@ class Redis:
         try:
             self._start(lib)
             self._bench("set", 100000, "-q")           # the data set the tests read
-            cpu0 = cpu_ticks(self.p.pid)
+            cpu0 = cpu_s(self.p.pid)
             out = self._bench(",".join(t.lower() for t in REDIS_TESTS), self.requests, "--csv")
-            cpu = cpu_ticks(self.p.pid) - cpu0
+            cpu = cpu_s(self.p.pid) - cpu0
             res = {}
             for ln in out.splitlines()[1:]:
                 cells = [c.strip('"') for c in ln.split(",")]
@@ -256,7 +251,7 @@ class Redis:
                 raise ServiceError(f"redis-benchmark printed no result for {', '.join(missing)}")
             res["mem_kib"] = status_kib(self.p.pid, "VmRSS")
             res["peak_kib"] = status_kib(self.p.pid, "VmHWM")
-            res["cpu_us"] = cpu * TICK_US / (self.requests * len(REDIS_TESTS))
+            res["cpu_us"] = cpu * 1e6 / (self.requests * len(REDIS_TESTS))
             return res
         finally:
             self.stop()
@@ -385,15 +380,6 @@ def table(result: dict) -> str:
     return "\n".join(lines + [""] + ([*notes, ""] if notes else []) + [foot])
 
 
-def update_readme(path: pathlib.Path, text: str) -> None:
-    doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise ServiceError(f"{path} has no {BEGIN} ... {END} section")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
-
-
 # ---- main ----------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench/services.py", description=__doc__.split("\n\n")[0],
@@ -423,6 +409,11 @@ def main(argv=None) -> int:
                  f"(services: {', '.join(SERVICES)}; allocators: {', '.join(ALLOCATORS)})")
     if a.rounds < 1 or a.pg_seconds < 1 or a.redis_requests < 1 or a.pg_scale < 1:
         ap.error("--rounds, --pg-seconds, --pg-scale and --redis-requests must be positive")
+    if a.update_readme:       # said now, not after minutes of measuring
+        text = pathlib.Path(a.update_readme).read_text() if pathlib.Path(a.update_readme).is_file() else ""
+        if [ln.strip() for ln in text.splitlines()].count(BEGIN) != 1 or \
+                [ln.strip() for ln in text.splitlines()].count(END) != 1:
+            ap.error(f"--update-readme: {a.update_readme} needs one line {BEGIN} and one line {END}")
     lib = (ROOT / a.build / "libhakmem.so").resolve()
     if not lib.exists():
         print(f"services: error: {lib} missing: run `make lib`", file=sys.stderr)
@@ -477,7 +468,10 @@ def main(argv=None) -> int:
             (out / "services.json").write_text(json.dumps(result, indent=1))
             (out / "services.md").write_text(md + "\n")
         if a.update_readme:
-            update_readme(pathlib.Path(a.update_readme), md)
+            try:
+                bench_run.update_readme(pathlib.Path(a.update_readme), md + "\n", "services")
+            except bench_run.SetupError as e:
+                raise ServiceError(str(e))
         print(json.dumps(result, indent=1) if a.json else md)
         hak_failed = [s for s, v in result["services"].items() if "hakmem" in v["failed"]]
         if hak_failed:

@@ -32,6 +32,8 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "learner"))
+from hakmem.procfs import proc_children  # noqa: E402  one reader of /proc for learnd and the tools
 PG_BIN = pathlib.Path("/usr/lib/postgresql/15/bin")
 VENV_BIN = ROOT / ".venv" / "bin"
 CLIENTS = 4
@@ -49,20 +51,6 @@ def env(**extra):
     e = {k: v for k, v in os.environ.items() if not k.startswith("HAKMEM_") and k != "LD_PRELOAD"}
     e.update({k: str(v) for k, v in extra.items()})
     return e
-
-
-def children(pid):
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue
-            if int(data[data.rindex(b")") + 2:].split()[1]) == pid:
-                out.append(int(d))
-    return out
 
 
 def pss_kib(pid):
@@ -128,7 +116,7 @@ class Cluster:
     def pss_kib(self):
         if self.pm is None or self.pm.poll() is not None:
             return 0
-        return pss_kib(self.pm.pid) + sum(pss_kib(c) for c in children(self.pm.pid))
+        return pss_kib(self.pm.pid) + sum(pss_kib(c) for c in proc_children(self.pm.pid))
 
     def stop(self):
         if self.pm is None:
@@ -140,7 +128,7 @@ class Cluster:
                 p.wait(40)
                 self.pm.wait(10)
             except subprocess.TimeoutExpired:
-                for pgid in [self.pm.pid, *children(self.pm.pid)]:
+                for pgid in [self.pm.pid, *proc_children(self.pm.pid)]:
                     try:
                         os.killpg(pgid, signal.SIGKILL)
                     except OSError:

@@ -20,16 +20,30 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 # ---- a process's figures ---------------------------------------------------------
 def proc_stat(pid: int) -> dict | None:
-    """minflt, majflt, utime/stime (seconds), threads, start_time; None if gone."""
+    """ppid, minflt, majflt, utime/stime and the waited-for children's
+    cutime/cstime (seconds), threads, start_time; None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-    except OSError:
+        rest = data[data.rindex(b")") + 2:].split()   # from the 3rd field on, whatever the name holds
+        hz = os.sysconf("SC_CLK_TCK")
+        return {"ppid": int(rest[1]), "minflt": int(rest[7]), "majflt": int(rest[9]),
+                "utime": int(rest[11]) / hz, "stime": int(rest[12]) / hz,
+                "cutime": int(rest[13]) / hz, "cstime": int(rest[14]) / hz,
+                "threads": int(rest[17]), "start_time": int(rest[19])}
+    except (OSError, ValueError, IndexError):
         return None
-    rest = data[data.rindex(b")") + 2:].split()
-    hz = os.sysconf("SC_CLK_TCK")
-    return {"minflt": int(rest[7]), "majflt": int(rest[9]), "utime": int(rest[11]) / hz,
-            "stime": int(rest[12]) / hz, "threads": int(rest[17]), "start_time": int(rest[19])}
+
+
+def proc_children(pid: int) -> list[int]:
+    """The live processes whose parent is pid (a server's backends)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = proc_stat(int(d))
+            if st is not None and st["ppid"] == pid:
+                out.append(int(d))
+    return out
 
 
 def proc_start_time(pid: int) -> int | None:

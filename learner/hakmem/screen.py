@@ -199,10 +199,12 @@ class Gate:
     The gate watches from the capture's request on (Screen._ask), so it
     knows the period before the first replay starts, and a replay waits
     for it before it loads its trace too. Started with the replays, it saw
-    the first two bursts beside them unguarded: on spikes, the worst window
-    after 10 s (default's median = 1) was past the default's own worst in 4
-    of 9 runs (one burst at 55-79 ms of CPU); watching from the capture, in
-    2 of 9 (one such burst, and 1.043 against 1.028).
+    the first two bursts beside them unguarded: in spikes-only bench-learn
+    runs the worst window after 10 s (default's median = 1) was past the
+    default's own worst in 4 of 8 (3 with one burst at 55-80 ms of CPU
+    against 15-20); watching from the capture, in 2 of 9 (one such burst;
+    1.043 against 1.028). Not gone: in a full run, spikes' window
+    at 16-18 s still took 27 ms (1.17 against 1.07).
 
     So the replays run in the middle of the program's idle time. A thread
     here reads the program's CPU time (/proc/PID/stat, all its threads)

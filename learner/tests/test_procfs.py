@@ -58,6 +58,21 @@ def test_proc_stat_of_a_live_process(child):
         assert st["start_time"] == int(f.read().rsplit(")", 1)[1].split()[19])
 
 
+def test_children_and_the_time_of_those_reaped(child):
+    """A server's CPU (bench/services.py): its live children are found by
+    their parent, and a child's time counts for its parent once waited for."""
+    p, said = child
+    assert p.pid in procfs.proc_children(os.getpid())
+    assert procfs.proc_stat(p.pid)["ppid"] == os.getpid()
+    before = procfs.proc_stat(os.getpid())
+    p.stdin.close()
+    p.wait(30)
+    after = procfs.proc_stat(os.getpid())
+    assert p.pid not in procfs.proc_children(os.getpid())
+    reaped = (after["cutime"] + after["cstime"]) - (before["cutime"] + before["cstime"])
+    assert reaped >= said["cpu"] - 0.05, (reaped, said)
+
+
 def test_proc_rss_and_uids_of_a_live_process(child):
     p, said = child
     assert (64 << 20) <= procfs.proc_rss(p.pid) <= (64 << 20) + (200 << 20)

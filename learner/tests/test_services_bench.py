@@ -51,6 +51,9 @@ def test_help_and_bad_arguments():
     assert r.returncode == 2 and "mysql" in r.stderr.strip().splitlines()[-1]
     r = run("--allocators", "mimalloc,jemalloc")
     assert r.returncode == 2 and "hakmem and glibc" in r.stderr
+    # A README without the section is said before anything is measured.
+    r = run("--update-readme", "/nonexistent/README.md")
+    assert r.returncode == 2 and "<!-- services:begin -->" in r.stderr.strip().splitlines()[-1]
 
 
 def test_redis_and_postgres_measured_side_by_side(tmp_path):
@@ -58,7 +61,9 @@ def test_redis_and_postgres_measured_side_by_side(tmp_path):
     JSON and the Markdown table written, nothing left behind."""
     need_root("runs PostgreSQL as the postgres account (and installs postgresql and redis when missing)")
     before_dirs, _ = leftovers()
-    r = run("--quick", "--allocators", "glibc,hakmem", "--json", "--out", tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- services:begin -->\nold table\n<!-- services:end -->\nafter\n")
+    r = run("--quick", "--allocators", "glibc,hakmem", "--json", "--out", tmp_path, "--update-readme", readme)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["allocators"] == ["glibc", "hakmem"] and res["rounds"] == 1
@@ -80,6 +85,7 @@ def test_redis_and_postgres_measured_side_by_side(tmp_path):
             assert row["paired_glibc"]["per_round"] == [pytest.approx(row["vs_glibc"])]
     md = (tmp_path / "services.md").read_text()
     assert md.count("| postgres |") == 4 and md.count("| redis |") == 8
+    assert readme.read_text() == f"before\n<!-- services:begin -->\n{md}<!-- services:end -->\nafter\n"
     assert json.loads((tmp_path / "services.json").read_text())["services"].keys() == {"postgres", "redis"}
     dirs, procs = leftovers()
     assert set(dirs) <= set(before_dirs) and procs == [], (dirs, procs)

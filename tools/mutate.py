@@ -159,6 +159,9 @@ def main():
 
     t_all = time.monotonic()
     tree = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-mutate-"))
+    # Tests that run a service as its own account (PostgreSQL as postgres)
+    # preload the copy's library: the account must be able to reach it.
+    os.chmod(tree, 0o755)
     build = "build-mutate"
     print(f"mutate: {len(mutants)} mutants, in a copy of the working tree at {tree}", flush=True)
     try:

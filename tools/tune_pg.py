@@ -15,7 +15,7 @@ children: shared buffers are counted once) is sampled every 0.5 s.
 Everything it starts is stopped at the end, on an error or on Ctrl-C.
 Needs root; installs Debian's postgresql when missing.
 
-    tools/tune_pg.py [--build build] [--seconds 300] [--rounds 5] [--run-seconds 15] [--json]
+    tools/tune_pg.py [--build build] [--seconds 300] [--rounds 5] [--run-seconds 15] [--json] [--keep]
 """
 import argparse
 import json
@@ -35,7 +35,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "learner"))
 from hakmem.procfs import proc_children  # noqa: E402  one reader of /proc for learnd and the tools
 PG_BIN = pathlib.Path("/usr/lib/postgresql/15/bin")
-VENV_BIN = ROOT / ".venv" / "bin"
+# The project's venv; a copy of the tree without one (tools/mutate.py's) runs
+# under a venv's python, whose bin holds the same commands.
+VENV_BIN = ROOT / ".venv" / "bin" if (ROOT / ".venv" / "bin").is_dir() else pathlib.Path(sys.executable).parent
 CLIENTS = 4
 
 
@@ -100,11 +102,25 @@ class Cluster:
             try:
                 lines = (self.data / "postmaster.pid").read_text().splitlines()
                 if len(lines) >= 8 and lines[7].strip() == "ready":
+                    self._check_preloaded()
                     return
             except OSError:
                 pass
             time.sleep(0.05)
         raise TuneError("postgres did not become ready within 60 s")
+
+    def _check_preloaded(self):
+        """ld.so skips a preload it cannot open (a library the postgres
+        account cannot read) with a warning on a stderr nobody reads, and
+        everything after would measure glibc under hakmem's name."""
+        if not self.lib:
+            return
+        try:
+            maps = pathlib.Path(f"/proc/{self.pm.pid}/maps").read_text()
+        except OSError as e:
+            raise TuneError(f"cannot read the postmaster's mappings: {e}")
+        if os.path.realpath(self.lib) not in maps:
+            raise TuneError(f"postgres did not load {self.lib} (can the postgres account read it?)")
 
     def client_env(self):
         return env(LC_ALL="C", PGHOST=str(self.dir), PGUSER="postgres", PGDATABASE="postgres")
@@ -183,16 +199,19 @@ def measure(cl, seconds):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="tune_pg", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build", default="build")
+    ap.add_argument("--build", default=os.environ.get("BUILD", "build"), help="where libhakmem.so is (default build)")
     ap.add_argument("--seconds", type=int, default=300, help="how long learnd tunes postgres (default 300)")
     ap.add_argument("--rounds", type=int, default=5, help="default/learned rounds (default 5)")
     ap.add_argument("--run-seconds", type=int, default=15, help="pgbench seconds per measured run (default 15)")
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON on stdout")
+    ap.add_argument("--keep", action="store_true", help="keep learnd's database and logs (the directory is printed)")
     a = ap.parse_args(argv)
+    if min(a.seconds, a.rounds, a.run_seconds) < 1:
+        ap.error("--seconds, --rounds and --run-seconds must be positive")
     if os.geteuid() != 0:
         print("tune_pg: error: needs root (runs PostgreSQL as the postgres account)", file=sys.stderr)
         return 1
-    lib = (pathlib.Path(a.build) / "libhakmem.so").resolve()
+    lib = (ROOT / a.build / "libhakmem.so").resolve()
     if not lib.exists():
         print(f"tune_pg: error: {lib} missing: run `make lib`", file=sys.stderr)
         return 1
@@ -245,7 +264,8 @@ def main(argv=None):
         r = subprocess.run([str(VENV_BIN / "hakmem"), "policy", "explain", "postgres", "--db", str(work / "learn.db"),
                             "--run-dir", str(work / "run")], capture_output=True, text=True, env=env())
         res = {"seconds": a.seconds, "rounds": a.rounds, "run_seconds": a.run_seconds, "events": events,
-               "runs": runs, "explain": r.stdout.strip().splitlines()}
+               "runs": runs, "explain": r.stdout.strip().splitlines()
+               or [f"hakmem policy explain postgres failed ({r.returncode}): {r.stderr.strip()[-300:]}"]}
         for which in runs:
             t = [x["tps"] for x in runs[which]]
             res[which] = {"tps_median": statistics.median(t), "tps_spread": (max(t) - min(t)) / statistics.median(t),
@@ -273,7 +293,11 @@ def main(argv=None):
             learnd.stop()
         cl.cleanup()
         shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(nolearnd, ignore_errors=True)
+        if a.keep:
+            shutil.rmtree(nolearnd, ignore_errors=True)
+            say(f"kept {work} (learnd's database learn.db and its logs)")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

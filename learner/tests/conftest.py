@@ -163,6 +163,21 @@ def start(args, shm_dir, **env):
                             stderr=subprocess.PIPE, text=True)
 
 
+def processes_with(*needles: bytes) -> list[int]:
+    """Live processes whose command line holds any of needles: what a
+    tool that starts services may have left running."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = pathlib.Path(f"/proc/{d}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if any(n in cmd for n in needles):
+                out.append(int(d))
+    return out
+
+
 def proc_start_time(pid):
     with open(f"/proc/{pid}/stat", "rb") as f:
         data = f.read()

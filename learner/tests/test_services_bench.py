@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from conftest import LIB, ROOT, need_root, scaled
+from conftest import LIB, ROOT, need_root, processes_with, scaled
 
 SCRIPT = ROOT / "bench" / "services.py"
 REDIS_TESTS = ("set", "get", "lpush", "lpop", "hset")
@@ -32,16 +32,7 @@ def leftovers():
     """Work directories and servers of the runner still there."""
     tmp = pathlib.Path(tempfile.gettempdir())
     dirs = [*tmp.glob("hakmem-services-*"), *tmp.glob("hakmem-pg-*")]
-    procs = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = pathlib.Path(f"/proc/{d}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"hakmem-services-" in cmd:
-                procs.append(int(d))
-    return dirs, procs
+    return dirs, processes_with(b"hakmem-services-")
 
 
 def test_help_and_bad_arguments():

@@ -515,10 +515,10 @@ class Screen:
             res = R.run_replayer(self.path, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
                                  timeout=REPLAY_TIMEOUT_S, user=user, gate=gate and gate.path)
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
+        # The gate is closed in _cleanup, with the rest of the screening's
+        # state, on every way out.
         with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
             done = list(ex.map(one, enumerate(pol)))
-        if gate is not None:
-            gate.close()
         # Ranked in learnd's own units (replay.run_cost): the same prices as
         # a live window's, and what replay_runs stores and `policy explain`
         # shows.

@@ -103,7 +103,7 @@ def build_targets(tests):
                 targets.update({"bpf", "{B}/learner/kernel_ops"})
             if "replay" in t:       # hakmem replay's tests run the replayer (issue 14)
                 targets.add("{B}/hakmem-replay")
-            if "replay_predict" in t:   # bench/replay_predict.py runs bench-learn's workload
+            if "replay_predict" in t or "bench_learn" in t:   # they run bench-learn's workload
                 targets.add("{B}/bench/learn_workload")
     return sorted(targets)
 

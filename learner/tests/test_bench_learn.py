@@ -1,0 +1,115 @@
+"""bench/learn.py, the learner proof: how it judges "learnd cold within 5% of
+the best static policy" where this machine's noise is wider than 5%.
+
+Where the default's work needs under a quarter of a core, the best static run
+goes side by side with learnd's cold run and the ratio comes with a 95%
+interval from the paired windows. Checked here: the interval's arithmetic on
+known windows, which workloads qualify, that a failing reference comes back
+as an error and not a crash, and, end to end in --quick mode (about a
+minute), that spikes' two runs really overlap in time while burst's (a whole
+core of work) do not. Speed is not judged here: the full run is
+`make bench-learn`."""
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import BUILD, ROOT, scaled
+
+sys.path.insert(0, str(ROOT / "bench"))
+import learn  # noqa: E402
+
+
+def win(i, j, width=2.0):
+    return {"t0": i * width, "t1": (i + 1) * width, "J": j}
+
+
+def test_paired_ratio_of_known_windows():
+    # 30 windows of 2 s; only the last 20 s (10 windows) count. The early
+    # windows differ wildly and must not move the ratio.
+    best = [win(i, 10.0 if i < 20 else 1.0) for i in range(30)]
+    cold = [win(i, 50.0 if i < 20 else 1.0 + 0.02 * (1 + (-1) ** i)) for i in range(30)]
+    r = learn.paired_ratio(cold, best, 20.0)
+    assert r["paired_windows"] == 10
+    assert r["paired_ratio"] == pytest.approx(1.02)
+    lo, hi = r["paired_ci95"]
+    assert lo < 1.02 < hi
+    # Differences alternate 0.04 and 0: sd = 0.0211, se = 0.00667, t(9) = 2.262.
+    assert hi - 1.02 == pytest.approx(2.262 * 0.0210819 / 10 ** 0.5, rel=1e-3)
+
+
+def test_paired_ratio_needs_three_windows_and_skips_unmeasured():
+    best = [win(i, 1.0) for i in range(10)]
+    cold = [win(i, 1.1 if i != 8 else None) for i in range(10)]
+    r = learn.paired_ratio(cold, best, 6.0)   # windows 7, 8, 9; 8 is unmeasured
+    assert r == {"paired_windows": 2}
+    r = learn.paired_ratio(cold, best, 8.0)
+    assert r["paired_windows"] == 3 and r["paired_ratio"] == pytest.approx(1.1)
+    assert r["paired_ci95"][0] == pytest.approx(1.1) == r["paired_ci95"][1]   # no spread
+
+
+def test_t975_never_narrower_than_the_truth():
+    assert learn.t975(9) == 2.262
+    assert learn.t975(22) == learn.T975[20]     # between rows: the wider one
+    assert learn.t975(0) == learn.T975[1]
+
+
+def test_which_workloads_go_side_by_side():
+    both = ["default", "grid", "learnd-cold"]
+    assert learn.side_by_side(0.01, both)
+    assert not learn.side_by_side(learn.SIDE_BY_SIDE_CORES, both)   # burst: a whole core
+    assert not learn.side_by_side(0.01, ["default", "learnd-cold"])  # no best static to pair
+    assert not learn.side_by_side(0.01, ["default", "grid"])
+
+
+def test_beside_starts_when_told_and_never_hangs():
+    t0 = time.monotonic()
+    b = learn.Beside(lambda: {"at": time.monotonic() - t0})
+    time.sleep(0.3)
+    b.go()
+    assert 0.3 <= b.result()["at"] < 2.0
+    # Nobody said go (the other run failed before its workload): result() starts it.
+    out = {}
+    waiter = threading.Thread(target=lambda: out.update(learn.Beside(lambda: {"at": 0}).result()), daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert out == {"at": 0}, "result() waited for a go that never came"
+
+    def boom():
+        raise OSError("no room")
+
+    b = learn.Beside(boom)
+    b.go()
+    r = b.result()
+    assert r["error"] == "OSError: no room" and r["lines"] == [] and r["rss"] == []
+
+
+def test_quick_run_pairs_spikes_and_not_burst(tmp_path):
+    for p in (BUILD / "libhakmem.so", BUILD / "bench" / "learn_workload", ROOT / ".venv" / "bin" / "hakmem-learnd"):
+        assert p.exists(), f"{p} missing (make tests venv)"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--quick", "--only", "spikes,burst",
+                        "--configs", "default,grid,learnd-cold", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=scaled(600), cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "learn.json").read_text())
+
+    def span(run):
+        return run["started"], run["started"] + run["wall_s"]
+
+    spikes, burst = res["workloads"]["spikes"], res["workloads"]["burst"]
+    assert spikes["default_cores"] < learn.SIDE_BY_SIDE_CORES <= burst["default_cores"]
+
+    (b0, b1), (c0, c1) = span(spikes["runs"]["best-static"]), span(spikes["runs"]["learnd-cold"])
+    assert abs(b0 - c0) < 0.5 and min(b1, c1) - max(b0, c0) > 3, (b0, b1, c0, c1)   # 4-s runs
+    assert spikes["side_by_side"]["runs"] == ["best-static", "learnd-cold"]
+    assert abs(spikes["side_by_side"]["start_gap_s"]) < 0.5
+    cb = spikes["targets"]["cold_vs_best"]
+    assert cb["paired_windows"] >= 1 and "side by side" in cb["what"]
+    assert "Side by side (spikes:" in r.stdout
+
+    (b0, b1), (c0, c1) = span(burst["runs"]["best-static"]), span(burst["runs"]["learnd-cold"])
+    assert b1 <= c0 and "side_by_side" not in burst
+    assert "paired_windows" not in burst["targets"]["cold_vs_best"]

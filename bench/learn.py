@@ -17,8 +17,10 @@ pool that holds a whole phase; nothing kept through idle time) each run under fi
 
 Where the default's work needs less than a quarter of a core (idle-threads,
 phases, spikes), the best static run goes side by side with learnd's cold
-run: started the moment learnd's workload process is, so the two share every
-second of the machine and their windows pair one to one. Measured one after the other, the same static policy's J over the
+run for the last 30 s of it: started 30 s after learnd's workload (after
+learnd's screening, whose replays would otherwise crowd a third program), it
+warms up for 10 s, and its last 20 s are the same seconds of the machine as
+the 20 s judged of learnd's run, window for window. Measured one after the other, the same static policy's J over the
 last 20 s moved by up to 23% from one full run to the next on this 2-core
 VM (spikes under cap=4 warm=0: 0.0231-0.0283 in five full runs;
 idle-threads under cap=4 drain=100: 0.0225-0.0276 in seven), four times the
@@ -373,17 +375,21 @@ def side_by_side(cores: float, configs) -> bool:
 
 
 class Beside:
-    """fn() in a thread once go() is called (by the other run, the moment its
-    workload starts); result() waits for it, and starts it first if nothing
-    did (the other run failed before its workload), so it never hangs. What
-    fn raises comes back as the run's error, never as a crash of the proof."""
+    """fn() in a thread, lag seconds after go() is called (by the other run,
+    the moment its workload starts); result() waits for it, and starts it
+    first if nothing did (the other run failed before its workload), so it
+    never hangs. What fn raises comes back as the run's error, never as a
+    crash of the proof."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, lag: float = 0.0):
         self._out: dict = {}
         self._go = threading.Event()
+        self._at = None
 
         def run():
             self._go.wait()
+            if self._at is not None:
+                time.sleep(max(0.0, self._at + lag - time.monotonic()))
             try:
                 self._out.update(fn())
             except Exception as e:
@@ -393,6 +399,7 @@ class Beside:
         self._t.start()
 
     def go(self) -> None:
+        self._at = time.monotonic()
         self._go.set()
 
     def result(self) -> dict:
@@ -401,13 +408,15 @@ class Beside:
         return self._out
 
 
-def paired_ratio(a: list[dict], b: list[dict], last: float) -> dict:
-    """a's J over b's, from windows paired by their place in each run (the
-    runs went side by side): the ratio of the means over the last `last`
-    seconds and a 95% interval from the paired differences (Student's t)."""
-    since = min(a[-1]["t1"], b[-1]["t1"]) - last if a and b else 0.0
-    pairs = [(x["J"], y["J"]) for x, y in zip(a, b)
-             if x["t0"] >= since - 1e-9 and x["J"] is not None and y["J"] is not None]
+def paired_ratio(a: list[dict], b: list[dict], last: float, shift: int = 0) -> dict:
+    """a's J over b's, from windows paired by time: b started `shift`
+    windows after a, so a's window i and b's window i - shift are the same
+    seconds. The ratio of the means over a's last `last` seconds and a 95%
+    interval from the paired differences (Student's t)."""
+    since = a[-1]["t1"] - last if a else 0.0
+    pairs = [(x["J"], b[i - shift]["J"]) for i, x in enumerate(a)
+             if x["t0"] >= since - 1e-9 and 0 <= i - shift < len(b)
+             and x["J"] is not None and b[i - shift]["J"] is not None]
     if len(pairs) < 3:
         return {"paired_windows": len(pairs)}
     d = [x - y for x, y in pairs]
@@ -484,6 +493,9 @@ class Proof:
         self.width = 1.0 if a.quick else 2.0
         self.last = min(20.0, self.seconds / 2) if self.seconds < 40 else 20.0
         self.guard_after = min(10.0, self.seconds / 4)
+        # Side by side: the reference starts this long after learnd's
+        # workload and runs the rest, so its last `last` seconds are learnd's.
+        self.side_lag = max(0.0, self.seconds - self.last - self.guard_after)
         self.objective = f"lambda={LAMBDA:g}"
         self.grid = [g for g in GRID if not a.quick or g["name"] in QUICK_GRID]
         self.tmp = Path(tempfile.mkdtemp(prefix="hakmem-learn-"))
@@ -619,16 +631,18 @@ class Proof:
             runs["missdriven"] = self.with_learnd(name, f"{name}-missdriven", "missdriven",
                                                   self.tmp / f"{name}-missdriven.db", self.seconds)
         if "learnd-cold" in configs and side:
-            progress(f"{name}: hakmem-learnd --learner gp, cold, {self.seconds:g} s, beside best static "
-                     f"{best_point['name']} (the default's work needs {cores:.3f} cores)")
-            ref = Beside(lambda: self.static(name, f"{name}-best", best_point, self.seconds))
+            progress(f"{name}: hakmem-learnd --learner gp, cold, {self.seconds:g} s, with best static "
+                     f"{best_point['name']} beside it from {self.side_lag:g} s on (the default's work needs {cores:.3f} cores)")
+            ref = Beside(lambda: self.static(name, f"{name}-best", best_point, self.seconds - self.side_lag),
+                         self.side_lag)
             runs["learnd-cold"] = self.with_learnd(name, f"{name}-cold", "gp", db_cold, self.seconds,
                                                    on_start=ref.go)
             runs["best-static"] = ref.result()
+            gap = runs["best-static"].get("started", 0) - runs["learnd-cold"].get("started", 0)
+            runs["best-static"]["offset_s"] = round(gap, 3)    # its windows on learnd's clock (the chart)
             res["side_by_side"] = {"runs": ["best-static", "learnd-cold"], "default_cores": cores,
-                                   "below_cores": SIDE_BY_SIDE_CORES,
-                                   "start_gap_s": round(runs["best-static"].get("started", 0)
-                                                        - runs["learnd-cold"].get("started", 0), 3)}
+                                   "below_cores": SIDE_BY_SIDE_CORES, "lag_s": self.side_lag,
+                                   "start_gap_s": round(gap, 3)}
         elif "learnd-cold" in configs:
             progress(f"{name}: hakmem-learnd --learner gp, cold, {self.seconds:g} s")
             runs["learnd-cold"] = self.with_learnd(name, f"{name}-cold", "gp", db_cold, self.seconds)
@@ -663,7 +677,8 @@ class Proof:
             t["cold_vs_best"] = {"ratio": ratio, "pass": ratio <= 1.05,
                                  "what": f"learnd-cold J over the last {self.last:g} s / best static's, <= 1.05"}
             if res.get("side_by_side"):
-                t["cold_vs_best"].update(paired_ratio(cold["windows"], best["windows"], self.last))
+                shift = round(res["side_by_side"]["start_gap_s"] / self.width)
+                t["cold_vs_best"].update(paired_ratio(cold["windows"], best["windows"], self.last, shift))
                 t["cold_vs_best"]["what"] += " (the two run side by side)"
         if ok(miss) and ok(cold):
             ratio = cold["J_last"] / miss["J_last"]
@@ -777,8 +792,9 @@ def markdown(result: dict) -> str:
     side = [n for n, w in result["workloads"].items() if w.get("side_by_side")]
     if side:
         lines += ["", f"Side by side ({', '.join(side)}: the default's work needs under {SIDE_BY_SIDE_CORES:g} of a core): "
-                  "the best static run started with learnd cold's workload and ran beside it, so both met the same "
-                  "seconds of the machine; cold ÷ best comes with a 95% interval from the paired windows."]
+                  f"the best static run started {st.get('side_lag_s', 0):g} s after learnd cold's workload and ran beside it "
+                  "to the end, so the seconds judged of both are the same seconds of the machine; cold ÷ best comes with "
+                  "a 95% interval from the paired windows."]
     lines += [""]
     lines += ["| grid point | " + " | ".join(result["workloads"]) + " |", "|---|" + "---:|" * len(result["workloads"])]
     names = [g["name"] for g in GRID if any(g["name"] in [x["point"] for x in w.get("grid", [])] for w in result["workloads"].values())]
@@ -850,7 +866,7 @@ def chart(result: dict, path: Path) -> str | None:
             r = w.get("runs", {}).get(cfg)
             if not r or not r.get("windows"):
                 continue
-            xs = [(x["t0"] + x["t1"]) / 2 for x in r["windows"] if x["J"] is not None]
+            xs = [(x["t0"] + x["t1"]) / 2 + r.get("offset_s", 0) for x in r["windows"] if x["J"] is not None]
             ys = [x["J"] for x in r["windows"] if x["J"] is not None]
             label = cfg + (f" ({w.get('best_point')})" if cfg == "best-static" else "")
             ax.plot(xs, ys, color=color, linestyle=ls, marker=".", label=label)
@@ -919,7 +935,7 @@ def main(argv: list[str]) -> int:
 
     result: dict = {"machine": machine_info(),
                     "settings": {"quick": a.quick, "seconds": proof.seconds, "warm_seconds": proof.warm_seconds,
-                                 "grid_seconds": proof.grid_seconds, "window_s": proof.width, "last_s": proof.last,
+                                 "grid_seconds": proof.grid_seconds, "window_s": proof.width, "last_s": proof.last, "side_lag_s": proof.side_lag,
                                  "guard_after_s": proof.guard_after, "seed": a.seed, "configs": a.configs,
                                  "objective": proof.objective, "grid": proof.grid},
                     "objective": {"lambda_per_gib": LAMBDA, "formula": "J = D_ref / X + lambda * RSS / GiB",

@@ -52,7 +52,10 @@ def test_gp_waits_for_the_screen_then_confirms_its_best_online_and_settles():
     pols = [(lb, ctx.clamp(k)) for lb, k in pols]
     best = ranked(sim, pols)[0]
     assert not same(best.knobs, ctx.default)
-    lrn = GPLearner(seed=0)
+    # Ties within the replay's error are tried too (the test after the next);
+    # here the runner-up is 5.6% dearer in the replay, so a tie margin of 3%
+    # keeps to the replay's best alone.
+    lrn = GPLearner(seed=0, tie_margin=0.03)
     delivered = []
 
     def before(i):
@@ -163,14 +166,16 @@ def drive_started(lrn, sim, ctx, n):
 def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     """The replay ranks two policies within its margin of each other: the
     first is confirmed, and the second is tried against it too (here it is
-    the better one live), then the search settles."""
+    the better one live, though the replay ranked it 4% dearer, as
+    bench-learn's idle-threads had cap=4 drain=100ms), then the search
+    settles. One 20% dearer in the replay is never tried."""
     ctx = make_ctx()
     sim = Sim(ctx)
     good = ctx.clamp(with_hot(ctx.default, 512, 1024))
     better = ctx.clamp(with_hot(ctx.default, 512, 2048))
     far = ctx.clamp(with_hot(ctx.default, 512, 512))
     assert sim.truth(better)["cost"] < 0.95 * sim.truth(good)["cost"] < sim.truth(ctx.default)["cost"]
-    ranked_ = [Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("better", better, 0.505, 0.005, 0, 0),
+    ranked_ = [Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("better", better, 0.52, 0.005, 0, 0),
                Ranked("far", far, 0.60, 0.005, 0, 0), Ranked("default", ctx.clamp(ctx.default), 1.0, 0.005, 0, 0)]
     lrn = GPLearner(seed=0)
     lrn.start(ctx, ctx.default, [])

@@ -50,6 +50,13 @@ class GPParams:
     screen_wait_windows: int = 40   # windows to wait for learnd's screening before searching without it
     screen_trials: int = 3          # screened candidates tried online at most
     screen_margin: float = 0.03     # the least replayed improvement worth a trial, a share of the cost
+    # Queued candidates whose replayed cost is within this share of the one
+    # just confirmed are confirmed online too: the replay's ranking errs by
+    # more than 3% between near neighbours (bench-learn idle-threads: it
+    # ranked cap=4 4% ahead of cap=4 drain=100ms, which live held 20 MiB
+    # against 25 and was 8% cheaper; the grid had it cheaper in 9 of 10
+    # full runs). At most screen_trials candidates are queued.
+    tie_margin: float = 0.10
     ab_pairs: int = 6               # a screened candidate's A/B pairs at most (paired.py: 2..6)
     ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
 
@@ -479,7 +486,7 @@ class GPLearner(Reporting):
                 # replay ranked the rest dearer: the search is over, and the
                 # settled phase costs nothing.
                 ties = [q for q in (self._screen if isinstance(self._screen, list) else [])
-                        if q.cost <= screened.cost * (1 + max(self.p.screen_margin, screened.spread, q.spread))]
+                        if q.cost <= screened.cost * (1 + max(self.p.tie_margin, screened.spread, q.spread))]
                 if ties:
                     self._screen = ties
                     return Decision(t.knobs, "accept", f"accept: {change}; the replay cannot tell {len(ties)} "

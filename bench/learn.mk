@@ -17,7 +17,7 @@ $(LEARN_WORKLOAD): bench/learn_workload.c bench/learn.mk
 	@$(if $(Q),echo "  BENCH   $@")
 	$(Q)$(CC) -std=gnu11 -O2 -g -pthread -Wall -Wextra $< -o $@
 
-bench-learn: lib venv $(LEARN_WORKLOAD) ## run the learner proof: default, best static, miss-driven, learnd cold and warm on four workloads (about 22 minutes; LEARN_ARGS=...)
+bench-learn: lib venv $(LEARN_WORKLOAD) ## run the learner proof: default, best static, miss-driven, learnd cold and warm on four workloads (about 20 minutes; LEARN_ARGS=...)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn.py $(LEARN_ARGS)
 
 bench-learn-quick: lib venv $(LEARN_WORKLOAD) ## the learner proof with short runs and a small grid (about 3 minutes)

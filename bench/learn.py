@@ -20,9 +20,9 @@ phases, spikes), the best static run goes side by side with learnd's cold
 run for the last 30 s of it: started 30 s after learnd's workload (after
 learnd's screening, whose replays would otherwise crowd a third program), it
 warms up for 10 s, and its last 20 s are the same seconds of the machine as
-the 20 s judged of learnd's run, window for window. Measured one after the other, the same static policy's J over the
-last 20 s moved by up to 23% from one full run to the next on this 2-core
-VM (spikes under cap=4 warm=0: 0.0231-0.0283 in five full runs;
+the 20 s judged of learnd's run, window for window. Measured one after the
+other, the same static policy's J over the last 20 s moved by up to 23%
+from one full run to the next on this 2-core VM (spikes under cap=4 warm=0: 0.0231-0.0283 in five full runs;
 idle-threads under cap=4 drain=100: 0.0225-0.0276 in seven), four times the
 5% being judged; side by side, what the machine does to one it does to the
 other, and "cold / best" comes with a 95% interval from the paired windows.
@@ -630,7 +630,7 @@ class Proof:
             progress(f"{name}: hakmem-learnd --learner missdriven, {self.seconds:g} s")
             runs["missdriven"] = self.with_learnd(name, f"{name}-missdriven", "missdriven",
                                                   self.tmp / f"{name}-missdriven.db", self.seconds)
-        if "learnd-cold" in configs and side:
+        if side:   # (side_by_side asks for learnd-cold in configs)
             progress(f"{name}: hakmem-learnd --learner gp, cold, {self.seconds:g} s, with best static "
                      f"{best_point['name']} beside it from {self.side_lag:g} s on (the default's work needs {cores:.3f} cores)")
             ref = Beside(lambda: self.static(name, f"{name}-best", best_point, self.seconds - self.side_lag),
@@ -639,7 +639,6 @@ class Proof:
                                                    on_start=ref.go)
             runs["best-static"] = ref.result()
             gap = runs["best-static"].get("started", 0) - runs["learnd-cold"].get("started", 0)
-            runs["best-static"]["offset_s"] = round(gap, 3)    # its windows on learnd's clock (the chart)
             res["side_by_side"] = {"runs": ["best-static", "learnd-cold"], "default_cores": cores,
                                    "below_cores": SIDE_BY_SIDE_CORES, "lag_s": self.side_lag,
                                    "start_gap_s": round(gap, 3)}
@@ -866,7 +865,9 @@ def chart(result: dict, path: Path) -> str | None:
             r = w.get("runs", {}).get(cfg)
             if not r or not r.get("windows"):
                 continue
-            xs = [(x["t0"] + x["t1"]) / 2 + r.get("offset_s", 0) for x in r["windows"] if x["J"] is not None]
+            # The reference beside learnd started later: its windows on learnd's clock.
+            off = w.get("side_by_side", {}).get("start_gap_s", 0) if cfg == "best-static" else 0
+            xs = [(x["t0"] + x["t1"]) / 2 + off for x in r["windows"] if x["J"] is not None]
             ys = [x["J"] for x in r["windows"] if x["J"] is not None]
             label = cfg + (f" ({w.get('best_point')})" if cfg == "best-static" else "")
             ax.plot(xs, ys, color=color, linestyle=ls, marker=".", label=label)
@@ -935,7 +936,8 @@ def main(argv: list[str]) -> int:
 
     result: dict = {"machine": machine_info(),
                     "settings": {"quick": a.quick, "seconds": proof.seconds, "warm_seconds": proof.warm_seconds,
-                                 "grid_seconds": proof.grid_seconds, "window_s": proof.width, "last_s": proof.last, "side_lag_s": proof.side_lag,
+                                 "grid_seconds": proof.grid_seconds, "window_s": proof.width, "last_s": proof.last,
+                                 "side_lag_s": proof.side_lag,
                                  "guard_after_s": proof.guard_after, "seed": a.seed, "configs": a.configs,
                                  "objective": proof.objective, "grid": proof.grid},
                     "objective": {"lambda_per_gib": LAMBDA, "formula": "J = D_ref / X + lambda * RSS / GiB",

@@ -192,6 +192,33 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     assert same(lrn.incumbent()[0], better) and lrn.state() == "settled"
 
 
+def test_gp_gives_a_near_neighbour_no_better_live_at_most_three_pairs():
+    """A near neighbour that live costs the same as the policy just
+    confirmed (the drain, which this simulated program never feels) ends
+    within GPParams.tie_pairs pairs, not the six a screened trial may take:
+    in bench-learn's phases two such trials ran through the seconds judged."""
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    good = ctx.clamp(with_hot(ctx.default, 512, 1024))
+    twin = ctx.clamp(good.replace(drain_ms=min(100, ctx.drain_ms_max)))
+    assert not same(twin, good) and sim.truth(twin)["cost"] == sim.truth(good)["cost"]
+    ranked_ = [Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("twin", twin, 0.51, 0.005, 0, 0),
+               Ranked("default", ctx.clamp(ctx.default), 1.0, 0.005, 0, 0)]
+    lrn = GPLearner(seed=0)
+    assert lrn.tie_pairs == 3 < lrn.ab_pairs
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    lrn.screened(ranked_)
+    decisions, _, _ = drive_started(lrn, sim, ctx, 60)
+    kinds = tried(decisions)
+    assert [k for k, _ in kinds] == ["explore", "accept", "explore", "rollback"], decisions
+    assert same(kinds[2][1], twin) and same(kinds[3][1], good)
+    verdict = [d for _, d in decisions if d.kind == "rollback"][0].reason
+    pairs = int(verdict.split(" over ")[1].split()[0])
+    assert pairs <= 3 and "within noise" in verdict, verdict
+    assert same(lrn.incumbent()[0], good) and lrn.state() == "settled"
+
+
 # ---- what screening takes out of the telemetry directory ---------------------------
 # Any user may write there: what stands in the trace's name (a link, a FIFO,
 # another user's file, a second name of some file, a truncated or oversized
@@ -381,6 +408,59 @@ def test_screening_ranks_by_counted_faults_and_memory_not_by_replay_cpu_time(tmp
     assert stored == {lb: by[lb].cost for lb in stored}, "the ranking is what replay_runs stores"
     assert 0.40 / 2 + obj.mem_cost(80 << 20) > 0.10 / 2 + obj.mem_cost(100 << 20), \
         "by the replays' CPU time the order would be the other way"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: replays are held to half of them")
+def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_on_all(tmp_path, monkeypatch):
+    """Replays let out of the gate fault their memory in on every CPU at
+    once and slow the program's next burst 4-5x (screen.replay_cpus): an
+    intermittent program's replayers run on the upper half of learnd's
+    CPUs, a busy program's (no gate) where learnd may; learnd itself is
+    left where it was."""
+    import subprocess
+    import types
+    import hakmem.replay as R
+    import hakmem.screen as S
+    mine = os.sched_getaffinity(0)
+    trace = tmp_path / "t.trace"
+    trace.write_bytes(b"x")
+    ctx = make_ctx()
+    facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
+                         class_size=list(ctx.class_size), duration_s=2.0,
+                         allocs=__import__("numpy").zeros(len(ctx.class_size)), events=10, mode="full")
+    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False: facts)
+    seen = []
+
+    def fake_run(path, knobs, **kw):
+        # What a replayer started here runs on: the child's own view.
+        out = subprocess.run(["grep", "Cpus_allowed_list", "/proc/self/status"], capture_output=True, text=True)
+        seen.append(out.stdout.split()[-1])
+        return {"runs": [{"counters": {"slow_ns": 1e6}, "minflt": 10, "os_calls": 1, "cpu_s": 0.01,
+                          "user_s": 0.01, "mean_rss_bytes": 1 << 20}], "policy": {}}
+    monkeypatch.setattr(R, "run_replayer", fake_run)
+    monkeypatch.setattr(S, "STAGGER_S", 0.0)
+    monkeypatch.setattr(S, "policies", lambda ctx, hot: [("default", ctx.default), ("B", ctx.clamp(
+        ctx.default.replace(drain_ms=100)))])
+    from hakmem.objective import Objective, Prices
+    upper = sorted(mine)[len(mine) // 2:]
+    want = f"{upper[0]}-{upper[-1]}" if len(upper) > 1 else str(upper[0])
+    for gated in (True, False):
+        seen.clear()
+        s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices(fault_s=1e-6, syscall_s=1e-6))
+        s.path, s.uid = str(trace), os.geteuid()
+        if gated:
+            s.gate = types.SimpleNamespace(count_from=lambda now: None, path=None, closings=0, closed_s=0.0)
+        ranked_ = s._replay_all()
+        assert len(ranked_) == 2 and len(seen) == 2
+        if gated:
+            assert S.replay_cpus() == set(upper) and s.cpus == set(upper)
+            assert seen == [want] * 2 and len(upper) < len(mine), seen
+            assert f"2 at once on {len(upper)} CPU" in s.describe(ranked_)
+        else:
+            assert s.cpus is None
+            assert "at once on" not in s.describe(ranked_)
+            assert seen[0] != want, "a busy program's replays run on every CPU"
+    assert os.sched_getaffinity(0) == mine, "learnd's own threads are where they were"
 
 
 def test_a_learnd_that_is_gone_leaves_no_screening_trace_behind(tmp_path):

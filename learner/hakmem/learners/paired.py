@@ -43,6 +43,13 @@ THE TEST
     `FIRST_PAIR_GAIN` cheaper or more (one pair does not cancel a drift).
   - One pair whose candidate costs more than 1 + `abort` times the incumbent
     ends the trial at once: the program does not pay a second block of it.
+  - From `futile_after` pairs on, a candidate whose pairs so far make it
+    no cheaper at all (mean d >= 0) is rejected there: the remaining looks
+    would need it to gain more than its pairs have lost to reach the
+    acceptance bound, and each costs the program a pair of switches. In
+    bench-learn (full runs at 2b48959) near neighbours of an accepted
+    policy ran all six pairs at +5.1%, +3.3% and 0.0% (t +1.5, +2.4, 0.0),
+    the last ones through the seconds the run is judged on.
   - No verdict after `max_pairs`: rejected, within the noise.
 
 What a switch back costs is not the candidate's: the incumbent's block after
@@ -139,7 +146,8 @@ class Paired:
     "rejected"."""
 
     def __init__(self, cand, inc, block: Block | int = 1, *, ref: float | None = None, max_pairs: int = 6,
-                 margin: float = 0.005, abort: float = 0.5, sd_floor: float = 0.01, first: str = "C"):
+                 margin: float = 0.005, abort: float = 0.5, sd_floor: float = 0.01, first: str = "C",
+                 futile_after: int | None = 2):
         self.cand, self.inc, self.ref = cand, inc, ref
         if first not in ("C", "I"):
             raise ValueError(f"first: 'C' or 'I', not {first!r}")
@@ -151,6 +159,7 @@ class Paired:
         self.prior_var, self.prior_df = 2 * b.rel_var, b.df
         self.max_pairs = min(max(2, int(max_pairs)), MAX_LOOKS)
         self.margin, self.abort, self.sd_floor = margin, abort, sd_floor
+        self.futile_after = futile_after
         self.pairs: list[tuple[float, float]] = []     # (C cost, I cost), block_cost of each side
         self._cur: dict[str, list] = {"C": [], "I": []}
         self._blocks = 0            # blocks finished
@@ -220,7 +229,7 @@ class Paired:
             return "accepted"
         if self.t > crit:
             return "rolled_back"
-        if n >= self.max_pairs:
+        if n >= self.max_pairs or (self.futile_after is not None and n >= self.futile_after and m >= 0):
             return "rejected"
         return None
 

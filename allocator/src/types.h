@@ -150,6 +150,7 @@ typedef struct hk_central_s {
   uint32_t   warm_count;
   uint32_t   xfer_count;  /* chains in xfer[0 .. xfer_count) */
   uint64_t   warm_seen;   /* slabs_from_warm at the last decay pass */
+  uint32_t   warm_low;    /* the least warm_count since the last decay pass */
   uint64_t   xfer_blocks; /* blocks in those chains */
   hk_xfer_t  xfer[HK_XFER_SLOTS];
   hk_class_counters_t c;  /* cumulative counters (relaxed atomics) */

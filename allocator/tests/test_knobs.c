@@ -329,6 +329,43 @@ TEST(drain_interval_shrinks_idle_warm_pools) {
   CHECK(released >= 40);
 }
 
+/* Fill the warm pool of one class (~45 slabs), then draw ~5 slabs from it
+ * and give them back every interval: the pool is drawn from each time, but
+ * the ~40 slabs below what is drawn served nothing, and go back to the OS a
+ * half at a time (slab.c:_hk_warm_decay), while the draws keep coming from
+ * the pool, not from new slabs. */
+static void warm_surplus_while_drawn(uint32_t drain_ms, uint64_t* to_os, uint64_t* from_os) {
+  unsigned c = hk_size_class(1000);
+  set_all(16, 8, 1024, drain_ms);
+  slab_churn(1000, 1);
+  hk_stats_t a, b;
+  snap(&a);
+  for (int t = 0; t < 10; t++) {
+    sleep_ms(60);
+    static void* some[330];
+    for (int i = 0; i < 330; i++) { some[i] = malloc(1000); memset(some[i], t, 64); }
+    for (int i = 0; i < 330; i++) free(some[i]);
+    hk_thread_flush();
+  }
+  snap(&b);
+  *to_os = b.cls[c].slabs_to_os - a.cls[c].slabs_to_os;
+  *from_os = b.cls[c].slabs_from_os - a.cls[c].slabs_from_os;
+}
+
+TEST(drain_interval_returns_the_warm_slabs_a_drawn_pool_never_reaches) {
+  uint64_t kept, kept_new, released, released_new;
+  warm_surplus_while_drawn(0, &kept, &kept_new);
+  malloc_trim(0);
+  warm_surplus_while_drawn(50, &released, &released_new);
+  malloc_trim(0);
+  harness_say("  drawn pool's surplus slabs returned: drain never %llu, drain 50 ms %llu "
+              "(new slabs meanwhile: %llu, %llu)\n", (unsigned long long)kept, (unsigned long long)released,
+              (unsigned long long)kept_new, (unsigned long long)released_new);
+  CHECK_EQ(kept, 0);
+  CHECK(released >= 30);
+  CHECK(released_new <= 8);
+}
+
 /* A worker parks blocks in its cache and waits; main calls malloc_trim;
  * the worker's next slow path hands its cached blocks back. */
 static pthread_barrier_t trim_bar;
@@ -550,6 +587,7 @@ int main(int argc, char** argv) {
   RUN(large_warm_pool_keeps_slab_churn_off_the_os);
   RUN(drain_interval_returns_idle_caches);
   RUN(drain_interval_shrinks_idle_warm_pools);
+  RUN(drain_interval_returns_the_warm_slabs_a_drawn_pool_never_reaches);
   RUN(malloc_trim_reaches_other_threads_caches);
   RUN(lowering_capacity_drains_the_excess);
   RUN(out_of_bounds_policies_are_rejected_whole);

@@ -168,16 +168,21 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     first is confirmed, and the second is tried against it too (here it is
     the better one live, though the replay ranked it 4% dearer, as
     bench-learn's idle-threads had cap=4 drain=100ms), then the search
-    settles. One 20% dearer in the replay is never tried."""
+    settles. One 20% dearer in the replay is never tried, nor a second near
+    neighbour (GPParams.max_ties: the runner-up alone)."""
     ctx = make_ctx()
     sim = Sim(ctx)
     good = ctx.clamp(with_hot(ctx.default, 512, 1024))
     better = ctx.clamp(with_hot(ctx.default, 512, 2048))
     far = ctx.clamp(with_hot(ctx.default, 512, 512))
     assert sim.truth(better)["cost"] < 0.95 * sim.truth(good)["cost"] < sim.truth(ctx.default)["cost"]
+    near2 = ctx.clamp(with_hot(ctx.default, 512, 1536))
+    assert not same(near2, better) and not same(near2, good)
     ranked_ = [Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("better", better, 0.52, 0.005, 0, 0),
+               Ranked("near2", near2, 0.53, 0.005, 0, 0),
                Ranked("far", far, 0.60, 0.005, 0, 0), Ranked("default", ctx.clamp(ctx.default), 1.0, 0.005, 0, 0)]
     lrn = GPLearner(seed=0)
+    assert lrn.max_ties == 1
     lrn.start(ctx, ctx.default, [])
     lrn.screening()
     lrn.screened(ranked_)
@@ -188,7 +193,7 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     assert kinds[1][0] == "accept" and "cannot tell 1 other candidate from it: trying it too" in decisions[1][1].reason
     assert kinds[2][0] == "explore" and same(kinds[2][1], better)
     assert kinds[3][0] == "accept" and "settled" in decisions[3][1].reason, decisions
-    assert len(decisions) == 4, "far is dearer in the replay beyond the margin: never tried"
+    assert len(decisions) == 4, "far is dearer in the replay beyond the margin, near2 a second tie: never tried"
     assert same(lrn.incumbent()[0], better) and lrn.state() == "settled"
 
 

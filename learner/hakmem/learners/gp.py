@@ -64,6 +64,12 @@ class GPParams:
     # bench-learn judges (phases, full run at 2b48959: two near neighbours,
     # 6 pairs each, until the end, 4-8 MiB more resident than the static run).
     tie_pairs: int = 3
+    # ... and at most this many of them, the replay's cheapest first: in
+    # bench-learn's phases (full run at e41722d) two near neighbours in
+    # blocks of 2 windows ran from 20 s to 52 s, into the 20 s judged, and
+    # neither was taken in five full runs; idle-threads' case above was the
+    # runner-up.
+    max_ties: int = 1
     ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
 
     def __post_init__(self):
@@ -493,6 +499,7 @@ class GPLearner(Reporting):
                 # settled phase costs nothing.
                 ties = [q for q in (self._screen if isinstance(self._screen, list) else [])
                         if q.cost <= screened.cost * (1 + max(self.p.tie_margin, screened.spread, q.spread))]
+                ties = ties[:self.p.max_ties]
                 if ties:
                     self._screen = ties
                     return Decision(t.knobs, "accept", f"accept: {change}; the replay cannot tell {len(ties)} "

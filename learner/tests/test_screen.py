@@ -415,13 +415,27 @@ def test_screening_ranks_by_counted_faults_and_memory_not_by_replay_cpu_time(tmp
         "by the replays' CPU time the order would be the other way"
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: replays are held to half of them")
+def test_replay_cpus_are_the_upper_half_of_learnds_and_none_on_one_cpu(monkeypatch):
+    import hakmem.screen as S
+    for mine, want in (({0}, None), ({0, 1}, {1}), ({0, 1, 2}, {1, 2}), ({0, 1, 2, 3}, {2, 3}),
+                       ({2, 5, 7, 9}, {7, 9})):
+        monkeypatch.setattr(S.os, "sched_getaffinity", lambda pid, mine=mine: set(mine))
+        assert S.replay_cpus() == want, mine
+
+    def refused(pid):
+        raise OSError("no affinity here")
+    monkeypatch.setattr(S.os, "sched_getaffinity", refused)
+    assert S.replay_cpus() is None
+
+
 def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_on_all(tmp_path, monkeypatch):
     """Replays let out of the gate fault their memory in on every CPU at
     once and slow the program's next burst 4-5x (screen.replay_cpus): an
     intermittent program's replayers run on the upper half of learnd's
     CPUs, a busy program's (no gate) where learnd may; learnd itself is
-    left where it was."""
+    left where it was. On a machine with one CPU there is no half to keep
+    to: the replayers run where learnd does (the halving itself is the
+    test above)."""
     import subprocess
     import types
     import hakmem.replay as R
@@ -447,8 +461,12 @@ def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_o
     monkeypatch.setattr(S, "policies", lambda ctx, hot: [("default", ctx.default), ("B", ctx.clamp(
         ctx.default.replace(drain_ms=100)))])
     from hakmem.objective import Objective, Prices
+    def listed(cpus):
+        c = sorted(cpus)
+        return f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0])
+    one = len(mine) < 2
     upper = sorted(mine)[len(mine) // 2:]
-    want = f"{upper[0]}-{upper[-1]}" if len(upper) > 1 else str(upper[0])
+    want = listed(mine) if one else listed(upper)
     for gated in (True, False):
         seen.clear()
         s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices(fault_s=1e-6, syscall_s=1e-6))
@@ -457,14 +475,14 @@ def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_o
             s.gate = types.SimpleNamespace(count_from=lambda now: None, path=None, closings=0, closed_s=0.0)
         ranked_ = s._replay_all()
         assert len(ranked_) == 2 and len(seen) == 2
-        if gated:
+        if gated and not one:
             assert S.replay_cpus() == set(upper) and s.cpus == set(upper)
             assert seen == [want] * 2 and len(upper) < len(mine), seen
             assert f"2 at once on {len(upper)} CPU" in s.describe(ranked_)
         else:
             assert s.cpus is None
             assert "at once on" not in s.describe(ranked_)
-            assert seen[0] != want, "a busy program's replays run on every CPU"
+            assert seen == [listed(mine)] * 2, "a busy program's replays run on every CPU of learnd's"
     assert os.sched_getaffinity(0) == mine, "learnd's own threads are where they were"
 
 

@@ -92,31 +92,26 @@ static bool cache_put(hk_huge_t* h, size_t budget) {
   return true;
 }
 
-/* A cached mapping that fits n at offset off without holding on to much
- * more than it needs: of those, the one whose pages touched by earlier
- * objects cover most of the new object (each page not covered is a page
- * fault when the program writes it), then the smallest. Pages an earlier,
- * bigger object touched past the new one stay as they are: the window
- * bounds them (half the size plus a chunk), and giving them back with
- * madvise only to fault them in again when the mapping next serves a
- * bigger object cost large_churn 60% more page faults. *dirty_out gets how
- * far from the user pointer pages may be touched. Called with huge_lock
- * held. */
+/* A cached mapping that serves n at offset off as it is: big enough, not
+ * holding on to much more than it needs (half the size plus a chunk), and
+ * with every page the new object will write already touched by earlier
+ * objects, so it costs no page fault at all; of those, the smallest. Pages
+ * an earlier, bigger object touched past the new one stay as they are
+ * (giving them back with madvise only to fault them in again when the
+ * mapping next serves a bigger object cost large_churn 60% more page
+ * faults). Anything short of that is left to take_pieces, which can split
+ * a mapping or join several. *dirty_out gets how far from the user pointer
+ * pages may be touched. Called with huge_lock held. */
 static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
   size_t need = round_up(off + n, HK_SEG_SIZE);
   size_t new_end = round_up(off + n, HK_OS_PAGE);
   hk_huge_t** best = NULL;
-  size_t best_fresh = 0;
   for (hk_huge_t** link = &cache; *link; link = &(*link)->next_cached) {
     hk_huge_t* h = *link;
     if (h->map_len < need || h->map_len > need + need / 2 + HK_SEG_SIZE) continue;
     if (((uintptr_t)h->base + off) & (off - 1)) continue; /* alignment */
-    size_t old_end = touched_end(h);
-    size_t fresh = new_end > old_end ? new_end - old_end : 0;
-    if (!best || fresh < best_fresh || (fresh == best_fresh && h->map_len < (*best)->map_len)) {
-      best = link;
-      best_fresh = fresh;
-    }
+    if (touched_end(h) < new_end) continue;
+    if (!best || h->map_len < (*best)->map_len) best = link;
   }
   if (!best) return NULL;
   hk_huge_t* h = *best;
@@ -130,68 +125,163 @@ static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
   /* The old object's header lies inside the new object if off grew. */
   _hk_map[chunk_of(old_user)] = HK_MAP_NONE;
   HK_VG_DEFINED(base, map_len);   /* the old object was "freed" for memcheck */
-  size_t kept_end = old_end > new_end ? old_end : new_end;
   hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
-  *dirty_out = kept_end - off;
+  *dirty_out = old_end - off;
   return place(base, map_len, off, n);
 }
 
-/* No cached mapping is big enough: unlinks the one whose touched pages
- * cover most of the request, if they are worth moving (a quarter of it at
- * least). Called with huge_lock held. */
-static hk_huge_t* cache_take_smaller(size_t n, size_t off) {
-  size_t need = round_up(off + n, HK_SEG_SIZE);
-  hk_huge_t** best = NULL;
-  size_t best_end = round_up(off + n, HK_OS_PAGE) / 4;
-  for (hk_huge_t** link = &cache; *link; link = &(*link)->next_cached) {
-    hk_huge_t* h = *link;
-    if (h->map_len >= need) continue;
-    size_t end = touched_end(h);
-    if (end > best_end) { best = link; best_end = end; }
-  }
-  if (!best) return NULL;
-  hk_huge_t* h = *best;
-  *best = h->next_cached;
-  cache_count--;
-  cache_bytes -= h->map_len;
-  _hk_map[chunk_of((uint8_t*)h + sizeof(hk_huge_t))] = HK_MAP_NONE;
+/* ---- pieces ------------------------------------------------------------------
+ * When no cached mapping serves a request as it is, the new object is put
+ * together from the touched pages of cached ones, as a page heap would
+ * split and coalesce spans: the mapping whose first chunks hold the most
+ * touched pages first, then the next for what is left, each moved with
+ * mremap (page tables only: its pages stay resident and need no fault)
+ * into a fresh reservation, or used where it lies when it alone covers
+ * the request. A mapping longer than what is left is split at a chunk
+ * boundary: its touched remainder goes back to the cache as a mapping of
+ * its own, its untouched tail to the OS. On large_churn (20 live buffers
+ * of 5..25 MiB replaced at random) this took the page faults after the
+ * first buffers from 55k to 26k in a model of the cache run over the
+ * benchmark's own sizes, against tcmalloc's 31k.
+ *
+ * Pieces and remainders are whole chunks, so every mapping boundary inside
+ * an object lies on a chunk boundary: move_range falls back to chunk by
+ * chunk where the kernel will not move a range made of several mappings
+ * at once (before Linux 6.17). */
+typedef struct piece_s {
+  uint8_t* base;
+  size_t   len;       /* bytes used from base (whole chunks) */
+  size_t   touched;   /* of those, how far earlier objects may have written */
+} piece_t;
+
+/* A piece is worth a mremap when it brings half a chunk of touched pages. */
+#define PIECE_MIN_TOUCHED (HK_SEG_SIZE / 2)
+
+typedef struct pieces_s {
+  piece_t  p[HK_HUGE_CACHE_MAX];
+  unsigned n;
+  piece_t  drop[2 * HK_HUGE_CACHE_MAX];   /* untouched tails and remainders the cache refused */
+  unsigned ndrop;
+} pieces_t;
+
+/* The part of a split mapping past `used`, as a cached mapping of its own
+ * (its header written in its first page, which earlier objects touched). */
+static hk_huge_t* cached_remainder(uint8_t* base, size_t len, size_t touched) {
+  uint8_t* user = base + HK_OS_PAGE;
+  hk_huge_t* h = header_of(user);
+  HK_VG_DEFINED(h, sizeof *h);
+  h->magic = HK_HUGE_MAGIC ^ (uintptr_t)user;
+  h->base = base;
+  h->map_len = len;
+  h->size = 0;
+  h->dirty = touched - HK_OS_PAGE;   /* touched_end(h) == touched */
+  h->state = HK_HUGE_CACHED;
+  h->next_cached = NULL;
+  _hk_map[chunk_of(user)] = HK_MAP_HUGE;
   return h;
 }
 
-/* A new mapping of map_len bytes whose first pages are those of a smaller
- * cached mapping, moved there by mremap: its touched pages need no fault.
- * *dirty_end gets how far from the new base they reach (0: a plain new
- * mapping). NULL when mapping fails. */
-static void* map_reusing(size_t n, size_t off, size_t map_len, size_t align_map, size_t* dirty_end) {
+/* Unlinks the pieces for an object of need bytes (whole chunks) into *pc:
+ * while some cached mapping brings PIECE_MIN_TOUCHED touched bytes to what
+ * is left, the one that brings most (of equals, the shorter). Called with
+ * huge_lock held; what is to be unmapped is only listed. */
+static void take_pieces(size_t need, size_t budget, pieces_t* pc) {
+  hk_huge_t* rem[HK_HUGE_CACHE_MAX];
+  unsigned nrem = 0;
+  size_t pos = 0;
+  pc->n = pc->ndrop = 0;
+  while (pos < need && cache) {
+    size_t room = need - pos;
+    hk_huge_t** best = NULL;
+    size_t best_gain = 0;
+    for (hk_huge_t** link = &cache; *link; link = &(*link)->next_cached) {
+      hk_huge_t* h = *link;
+      size_t te = touched_end(h);
+      size_t gain = te < room ? te : room;
+      if (!best || gain > best_gain || (gain == best_gain && h->map_len < (*best)->map_len)) {
+        best = link;
+        best_gain = gain;
+      }
+    }
+    if (!best || best_gain < PIECE_MIN_TOUCHED) break;
+    hk_huge_t* h = *best;
+    *best = h->next_cached;
+    cache_count--;
+    cache_bytes -= h->map_len;
+    _hk_map[chunk_of((uint8_t*)h + sizeof(hk_huge_t))] = HK_MAP_NONE;
+    uint8_t* base = h->base;
+    size_t len = h->map_len, te = touched_end(h);
+    size_t used = len < room ? len : room;
+    pc->p[pc->n++] = (piece_t){base, used, te < used ? te : used};
+    if (len > used) {
+      size_t kept = 0;
+      if (te > used) {
+        kept = round_up(te - used, HK_SEG_SIZE);
+        rem[nrem++] = cached_remainder(base + used, kept, te - used);
+      }
+      if (used + kept < len) pc->drop[pc->ndrop++] = (piece_t){base + used + kept, len - used - kept, 0};
+    }
+    pos += used;
+  }
+  for (unsigned i = 0; i < nrem; i++)
+    if (!cache_put(rem[i], budget)) {
+      _hk_map[chunk_of((uint8_t*)rem[i] + sizeof(hk_huge_t))] = HK_MAP_NONE;
+      pc->drop[pc->ndrop++] = (piece_t){rem[i]->base, rem[i]->map_len, 0};
+    }
+}
+
+static void unmap_range(void* p, size_t len) {
+  hk_sub_relaxed(&_hk_proc.committed_bytes, len);
+  _hk_os_unmap(p, len);
+}
+
+/* Moves [src, src+len) to dst; a range the kernel will not move at once
+ * (several mappings, before Linux 6.17) goes chunk by chunk, each inside
+ * one mapping. A chunk that still will not move is given back: dst keeps
+ * the fresh pages there. */
+static void move_range(uint8_t* src, size_t len, uint8_t* dst) {
+  if (_hk_os_move(src, len, dst) == 0) return;
+  for (size_t o = 0; o < len; o += HK_SEG_SIZE)
+    if (_hk_os_move(src + o, HK_SEG_SIZE, dst + o) != 0) _hk_os_unmap(src + o, HK_SEG_SIZE);
+}
+
+/* A mapping of map_len bytes for an object at offset off, made of cached
+ * pieces where they bring touched pages. *dirty_end gets how far from the
+ * base pages may have been touched (0: all fresh). NULL when mapping
+ * fails (the pieces are then given back to the OS). */
+static void* map_reusing(size_t off, size_t map_len, size_t align_map, size_t* dirty_end) {
   *dirty_end = 0;
-  hk_huge_t* h = NULL;
+  pieces_t pc;
+  pc.n = pc.ndrop = 0;
   if (cache) {
+    size_t budget = cache_budget();
     _hk_lock(&huge_lock);
-    h = cache_take_smaller(n, off);
+    take_pieces(map_len, budget, &pc);
     _hk_unlock(&huge_lock);
+  }
+  for (unsigned i = 0; i < pc.ndrop; i++) unmap_range(pc.drop[i].base, pc.drop[i].len);
+  if (pc.n == 1 && pc.p[0].len == map_len && ((uintptr_t)pc.p[0].base & (align_map - 1)) == 0) {
+    HK_VG_DEFINED(pc.p[0].base, map_len);
+    hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
+    *dirty_end = pc.p[0].touched;
+    return pc.p[0].base;   /* counted as committed already */
   }
   void* base;
   if (_hk_os_map_aligned(map_len, align_map, false, &base) != 0) {
-    if (h) {   /* give it back to the OS, as eviction would have */
-      hk_sub_relaxed(&_hk_proc.committed_bytes, h->map_len);
-      _hk_os_unmap(h->base, h->map_len);
-    }
+    for (unsigned i = 0; i < pc.n; i++) unmap_range(pc.p[i].base, pc.p[i].len);
     return NULL;
   }
   hk_add_relaxed(&_hk_proc.committed_bytes, map_len);
-  if (h) {
-    size_t old_len = h->map_len;
-    size_t end = touched_end(h);
-    void* old_base = h->base;
+  size_t pos = 0;
+  for (unsigned i = 0; i < pc.n; i++) {
+    move_range(pc.p[i].base, pc.p[i].len, (uint8_t*)base + pos);
     /* The moved pages replace fresh ones already counted as committed. */
-    hk_sub_relaxed(&_hk_proc.committed_bytes, old_len);
-    if (_hk_os_move(old_base, old_len, base) == 0) {
-      *dirty_end = end;
-      HK_VG_DEFINED(base, old_len);
-    } else {
-      _hk_os_unmap(old_base, old_len);
-    }
+    hk_sub_relaxed(&_hk_proc.committed_bytes, pc.p[i].len);
+    HK_VG_DEFINED((uint8_t*)base + pos, pc.p[i].len);
+    if (pc.p[i].touched) *dirty_end = pos + pc.p[i].touched;
+    pos += pc.p[i].len;
   }
+  if (pc.n) hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
   return base;
 }
 
@@ -210,7 +300,7 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
   if (!user) {
     size_t align_map = off > HK_SEG_SIZE ? off : HK_SEG_SIZE;
     size_t end;
-    void* base = map_reusing(n, off, map_len, align_map, &end);
+    void* base = map_reusing(off, map_len, align_map, &end);
     /* Out of memory (address space, under a `ulimit -v`): everything the
      * allocator caches goes back to the OS, warm slabs first so that the
      * segments they leave empty go too, and the mapping gets one more try. */
@@ -218,7 +308,7 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
       bool any = _hk_trim_warm();
       any |= _hk_segment_trim();
       any |= _hk_huge_trim();
-      if (any) base = map_reusing(n, off, map_len, align_map, &end);
+      if (any) base = map_reusing(off, map_len, align_map, &end);
     }
     if (!base) { errno = ENOMEM; return NULL; }
     dirty = end > off ? end - off : 0;
@@ -280,7 +370,11 @@ void* _hk_huge_realloc(void* p, size_t n) {
   if (n > ((size_t)1 << 46)) return NULL;
   hk_central_t* c0 = &_hk_central[0];
   if (need > h->map_len) {
-    if (_hk_os_grow_in_place(h->base, h->map_len, need) != 0) return NULL;
+    /* Its last chunk grows: a mapping joined from pieces is several kernel
+     * mappings, which mremap will not grow as one, and the last chunk lies
+     * inside the last of them (huge.c "pieces"). */
+    uint8_t* last = (uint8_t*)h->base + h->map_len - HK_SEG_SIZE;
+    if (_hk_os_grow_in_place(last, HK_SEG_SIZE, need - h->map_len + HK_SEG_SIZE) != 0) return NULL;
     hk_add_relaxed(&_hk_proc.committed_bytes, need - h->map_len);
     h->map_len = need;
   } else if (need + HK_SEG_SIZE < h->map_len && n < h->size / 2) {

@@ -1179,6 +1179,99 @@ TEST(huge_realloc_grows_in_place) {
   }
 }
 
+/* ---- huge blocks put together from cached pieces ------------------------------ */
+static long minor_faults(void) {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
+
+/* huge.c "pieces": a freed mapping much bigger than a new request is split
+ * (the request served where it lies, the touched remainder cached on its
+ * own), and a request bigger than any cached mapping is joined from
+ * several, their touched pages moved, not faulted in again. Each step is
+ * checked by where the object lands, its contents (calloc reads zero where
+ * earlier objects wrote), the page faults its memset takes (a fresh
+ * mapping would take one per page: 1280 for 5 MiB) and the committed bytes
+ * once everything is trimmed. */
+TEST(huge_pieces_split_and_join) {
+  static hk_stats_t s0, s1;
+  REQUIRE(malloc_trim(0) >= 0);
+  REQUIRE(hk_stats_get(&s0) == 0);
+  int count = !under_valgrind();   /* memcheck's own pages fault too */
+
+  /* Split: 24 MiB written and freed, then 5 MiB (a 8 MiB mapping) and 15 MiB. */
+  unsigned char* big = malloc(24 * MiB);
+  REQUIRE(big != NULL);
+  memset(big, 0x5A, 24 * MiB);
+  free(big);
+  long f0 = minor_faults();
+  unsigned char* a = calloc(1, 5 * MiB);
+  REQUIRE(a != NULL);
+  CHECK(a == big);                              /* split where it lay */
+  CHECK(check_byte(a, 5 * MiB, 0) < 0);
+  memset(a, 0x11, 5 * MiB);
+  unsigned char* b = calloc(1, 15 * MiB);
+  REQUIRE(b != NULL);
+  CHECK(b == big + 8 * MiB);                    /* the remainder, cached on its own */
+  CHECK(check_byte(b, 15 * MiB, 0) < 0);
+  memset(b, 0x22, 15 * MiB);
+  long f1 = minor_faults();
+  if (count) {
+    harness_say("  split: %ld page faults for 5 + 15 MiB\n", f1 - f0);
+    CHECK(f1 - f0 < 256);
+  }
+
+  /* Join: both freed (8 + 20 MiB cached, 16 + 5 MiB of them touched), then
+   * 26 MiB, more than either: about 5 MiB of fresh pages (the remainder's
+   * untouched chunk and the end), where one piece moved would leave 10. */
+  free(a);
+  free(b);
+  f0 = minor_faults();
+  unsigned char* c = calloc(1, 26 * MiB);
+  REQUIRE(c != NULL);
+  long bad = check_byte(c, 26 * MiB, 0);
+  if (bad >= 0) harness_say("  joined: byte %ld not zero\n", bad);
+  CHECK(bad < 0);
+  memset(c, 0x33, 26 * MiB);
+  f1 = minor_faults();
+  if (count) {
+    harness_say("  joined: %ld page faults for 26 MiB\n", f1 - f0);
+    CHECK(f1 - f0 < 1536);
+  }
+  CHECK(check_byte(c, 26 * MiB, 0x33) < 0);
+
+  /* A mapping joined from pieces is several kernel mappings: moved whole
+   * into a bigger object (or chunk by chunk where the kernel will not move
+   * them at once), its pages still need no fault. */
+  free(c);
+  f0 = minor_faults();
+  unsigned char* e = calloc(1, 30 * MiB);
+  REQUIRE(e != NULL);
+  CHECK(check_byte(e, 30 * MiB, 0) < 0);
+  memset(e, 0x44, 30 * MiB);
+  f1 = minor_faults();
+  if (count) {
+    harness_say("  joined, then moved: %ld page faults for 30 MiB\n", f1 - f0);
+    CHECK(f1 - f0 < 1536);
+  }
+  /* And grows in place where the space after it is free (its last chunk
+   * grows: mremap will not grow several mappings as one). */
+  uintptr_t after = (uintptr_t)e - 4096 + 32 * MiB;
+  int room = space_free(after, 12 * MiB, NULL);
+  unsigned char* d = realloc(e, 40 * MiB);
+  REQUIRE(d != NULL);
+  if (room && !under_valgrind()) CHECK(d == e);
+  CHECK(check_byte(d, 30 * MiB, 0x44) < 0);
+  memset(d + 30 * MiB, 0x55, 10 * MiB);
+  free(d);
+
+  CHECK_EQ(malloc_trim(0), 1);
+  REQUIRE(hk_stats_get(&s1) == 0);
+  CHECK_EQ(s1.committed_bytes, s0.committed_bytes);
+  CHECK_EQ(s1.cls[0].live_bytes, s0.cls[0].live_bytes);
+}
+
 int main(void) {
   RUN(malloc_is_hakmem);
   RUN(malloc_every_small_size);
@@ -1199,6 +1292,7 @@ int main(void) {
   RUN(realloc_to_zero);
   RUN(realloc_in_place_when_fits);
   RUN(huge_realloc_grows_in_place);
+  RUN(huge_pieces_split_and_join);
   RUN(posix_memalign_all_alignments);
   RUN(posix_memalign_invalid);
   RUN(aligned_alloc_memalign);

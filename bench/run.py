@@ -23,6 +23,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -567,6 +568,17 @@ def fmt_ratio(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
+def fmt_measured(v: float, target: float) -> str:
+    """A ratio beside its target's verdict: three decimals where two would
+    print the target itself (0.996 reads "1.00×" beside FAIL), rounded away
+    from the target where three would too (0.9997 as 0.999×)."""
+    if v == target or f"{v:.2f}" != f"{target:.2f}":
+        return fmt_ratio(v)
+    if f"{v:.3f}" == f"{target:.3f}":
+        v = (math.floor if v < target else math.ceil)(v * 1000) / 1000
+    return f"{v:.3f}×"
+
+
 def cell(s: dict | None) -> str:
     """A table cell for one (config, allocator): the median, marked when
     some runs failed; 'failed: why' when none succeeded."""
@@ -629,12 +641,12 @@ def markdown(result: dict) -> str:
     for name, c in result["configs"].items():
         r = c["ratios"]
         if r["vs_best"] is not None:
-            lines.append(f"| ops/s ≥ {TARGET_SPEED:.2f}× best peer | {name} | {fmt_ratio(r['vs_best'])} | "
+            lines.append(f"| ops/s ≥ {TARGET_SPEED:.2f}× best peer | {name} | {fmt_measured(r['vs_best'], TARGET_SPEED)} | "
                          f"{'pass' if r['vs_best'] >= TARGET_SPEED else 'FAIL'} |")
     for name, c in result["configs"].items():
         r = c["ratios"]
         if r["rss_vs_peers"] is not None:
-            lines.append(f"| peak RSS ≤ {TARGET_RSS:.2f}× peer median | {name} | {fmt_ratio(r['rss_vs_peers'])} | "
+            lines.append(f"| peak RSS ≤ {TARGET_RSS:.2f}× peer median | {name} | {fmt_measured(r['rss_vs_peers'], TARGET_RSS)} | "
                          f"{'pass' if r['rss_vs_peers'] <= TARGET_RSS else 'FAIL'} |")
     ss = result.get("steady_state")
     if ss and ss["allocators"].get("hakmem", {}).get("per_1e8") is not None:

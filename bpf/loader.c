@@ -94,9 +94,13 @@ static size_t nset;
  * what /proc/PID/stat already counts. Then each
  * pid's k_faults is its minflt + majflt since it joined the set, read here
  * once per sample: `base` at joining, `last` so a pid that is gone keeps its
- * count rather than going back to 0. */
+ * count rather than going back to 0 (struct fault_count). */
 static int faults_from_proc;
-static uint64_t base[MAX_PIDS], last[MAX_PIDS];
+struct fault_count {
+	uint64_t base;   /* minflt + majflt when the pid joined, or NO_BASE */
+	uint64_t last;   /* its count since then, at the last sample */
+};
+static struct fault_count counted[MAX_PIDS];   /* beside set[]: counted[i] is set[i]'s */
 #define NO_BASE UINT64_MAX
 
 /* minflt + majflt of a process, or -1 (gone, or a line we do not understand). */
@@ -152,7 +156,7 @@ static void apply_pids(struct hakmem_bpf *skel, char *line)
 		bpf_map_delete_elem(fd_pids, &set[i]);
 		bpf_map_delete_elem(fd_counts, &set[i]);
 	}
-	static uint64_t next_base[MAX_PIDS], next_last[MAX_PIDS];
+	static struct fault_count next_counted[MAX_PIDS];
 	for (size_t i = 0; i < n; i++) {
 		uint8_t one = 1;
 		if (bpf_map_update_elem(fd_pids, &next[i], &one, BPF_ANY) && verbose)
@@ -161,17 +165,15 @@ static void apply_pids(struct hakmem_bpf *skel, char *line)
 		while (j < nset && set[j] != next[i])
 			j++;
 		if (j < nset) {
-			next_base[i] = base[j];
-			next_last[i] = last[j];
+			next_counted[i] = counted[j];
 		} else {
 			int64_t f = faults_from_proc ? proc_faults(next[i]) : -1;
-			next_base[i] = f >= 0 ? (uint64_t)f : NO_BASE;   /* read at its first sample */
-			next_last[i] = 0;
+			next_counted[i].base = f >= 0 ? (uint64_t)f : NO_BASE;   /* read at its first sample */
+			next_counted[i].last = 0;
 		}
 	}
 	memcpy(set, next, n * sizeof(next[0]));
-	memcpy(base, next_base, n * sizeof(next_base[0]));
-	memcpy(last, next_last, n * sizeof(next_last[0]));
+	memcpy(counted, next_counted, n * sizeof(next_counted[0]));
 	nset = n;
 }
 
@@ -200,12 +202,13 @@ static int send_sample(void *sock, struct hakmem_bpf *skel, uint64_t seq, const 
 				for (int k = 0; k < HK_KERN_N; k++)
 					values[n][k] += percpu[c].v[k];
 		if (faults_from_proc) {
+			struct fault_count *fc = &counted[i];
 			int64_t f = proc_faults(pid);
-			if (f >= 0 && base[i] == NO_BASE)
-				base[i] = (uint64_t)f;
-			if (f >= 0 && (uint64_t)f >= base[i] + last[i])
-				last[i] = (uint64_t)f - base[i];
-			values[n][HK_KERN_K_FAULTS] = last[i];
+			if (f >= 0 && fc->base == NO_BASE)
+				fc->base = (uint64_t)f;
+			if (f >= 0 && (uint64_t)f >= fc->base + fc->last)
+				fc->last = (uint64_t)f - fc->base;
+			values[n][HK_KERN_K_FAULTS] = fc->last;
 		}
 		hakmem__v1__kernel_proc__init(&procs[n]);
 		procs[n].pid = pid;

@@ -105,7 +105,7 @@ class Loader:
         return rc, err
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def bpf_stats():
     """The kernel counts each BPF program's runs while this is 1."""
     f = pathlib.Path("/proc/sys/kernel/bpf_stats_enabled")
@@ -139,7 +139,7 @@ def go(p):
     return {k: int(v) for k, v in (x.split("=") for x in done[1:])}
 
 
-def test_counts_match_and_only_pids_in_the_set_are_counted(tmp_path):
+def test_counts_match_and_only_pids_in_the_set_are_counted(tmp_path, bpf_stats):
     need_bpf()
     ld = Loader(tmp_path)
     a, b = kernel_ops(), kernel_ops()

@@ -68,6 +68,23 @@ static size_t cache_budget(void) {
   return budget;
 }
 
+/* Gives a mapping (or part of one) that committed_bytes counts back to the OS. */
+static void unmap_range(void* p, size_t len) {
+  hk_sub_relaxed(&_hk_proc.committed_bytes, len);
+  _hk_os_unmap(p, len);
+}
+
+/* Takes the cached mapping at *link out of the cache; its user chunk is
+ * no longer marked huge. Called with huge_lock held. */
+static hk_huge_t* cache_unlink(hk_huge_t** link) {
+  hk_huge_t* h = *link;
+  *link = h->next_cached;
+  cache_count--;
+  cache_bytes -= h->map_len;
+  _hk_map[chunk_of((uint8_t*)h + sizeof(hk_huge_t))] = HK_MAP_NONE;
+  return h;
+}
+
 /* Caches the mapping of h, dropping the oldest entries to make room;
  * false (nothing done) when it is bigger than the whole budget. Called
  * with huge_lock held. */
@@ -76,13 +93,8 @@ static bool cache_put(hk_huge_t* h, size_t budget) {
   while (cache_count >= HK_HUGE_CACHE_MAX || cache_bytes + h->map_len > budget) {
     hk_huge_t** link = &cache;
     while ((*link)->next_cached) link = &(*link)->next_cached;
-    hk_huge_t* old = *link;
-    *link = NULL;
-    cache_count--;
-    cache_bytes -= old->map_len;
-    _hk_map[chunk_of((uint8_t*)old + sizeof(hk_huge_t))] = HK_MAP_NONE;
-    hk_sub_relaxed(&_hk_proc.committed_bytes, old->map_len);
-    _hk_os_unmap(old->base, old->map_len);
+    hk_huge_t* old = cache_unlink(link);
+    unmap_range(old->base, old->map_len);
   }
   h->state = HK_HUGE_CACHED;
   h->next_cached = cache;
@@ -114,16 +126,11 @@ static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
     if (!best || h->map_len < (*best)->map_len) best = link;
   }
   if (!best) return NULL;
-  hk_huge_t* h = *best;
-  *best = h->next_cached;
-  cache_count--;
-  cache_bytes -= h->map_len;
+  /* The old object's header lies inside the new object if off grew. */
+  hk_huge_t* h = cache_unlink(best);
   void* base = h->base;
   size_t map_len = h->map_len;
-  uint8_t* old_user = (uint8_t*)h + sizeof(hk_huge_t);
   size_t old_end = touched_end(h);
-  /* The old object's header lies inside the new object if off grew. */
-  _hk_map[chunk_of(old_user)] = HK_MAP_NONE;
   HK_VG_DEFINED(base, map_len);   /* the old object was "freed" for memcheck */
   hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
   *dirty_out = old_end - off;
@@ -167,17 +174,10 @@ typedef struct pieces_s {
 /* The part of a split mapping past `used`, as a cached mapping of its own
  * (its header written in its first page, which earlier objects touched). */
 static hk_huge_t* cached_remainder(uint8_t* base, size_t len, size_t touched) {
-  uint8_t* user = base + HK_OS_PAGE;
-  hk_huge_t* h = header_of(user);
-  HK_VG_DEFINED(h, sizeof *h);
-  h->magic = HK_HUGE_MAGIC ^ (uintptr_t)user;
-  h->base = base;
-  h->map_len = len;
-  h->size = 0;
+  HK_VG_DEFINED(base + HK_OS_PAGE - sizeof(hk_huge_t), sizeof(hk_huge_t));
+  hk_huge_t* h = header_of(place(base, len, HK_OS_PAGE, 0));
   h->dirty = touched - HK_OS_PAGE;   /* touched_end(h) == touched */
-  h->state = HK_HUGE_CACHED;
-  h->next_cached = NULL;
-  _hk_map[chunk_of(user)] = HK_MAP_HUGE;
+  h->state = HK_HUGE_CACHED;         /* cache_put says so too, if it takes it */
   return h;
 }
 
@@ -204,11 +204,7 @@ static void take_pieces(size_t need, size_t budget, pieces_t* pc) {
       }
     }
     if (!best || best_gain < PIECE_MIN_TOUCHED) break;
-    hk_huge_t* h = *best;
-    *best = h->next_cached;
-    cache_count--;
-    cache_bytes -= h->map_len;
-    _hk_map[chunk_of((uint8_t*)h + sizeof(hk_huge_t))] = HK_MAP_NONE;
+    hk_huge_t* h = cache_unlink(best);
     uint8_t* base = h->base;
     size_t len = h->map_len, te = touched_end(h);
     size_t used = len < room ? len : room;
@@ -228,11 +224,6 @@ static void take_pieces(size_t need, size_t budget, pieces_t* pc) {
       _hk_map[chunk_of((uint8_t*)rem[i] + sizeof(hk_huge_t))] = HK_MAP_NONE;
       pc->drop[pc->ndrop++] = (piece_t){rem[i]->base, rem[i]->map_len, 0};
     }
-}
-
-static void unmap_range(void* p, size_t len) {
-  hk_sub_relaxed(&_hk_proc.committed_bytes, len);
-  _hk_os_unmap(p, len);
 }
 
 /* Moves [src, src+len) to dst; a range the kernel will not move at once
@@ -351,8 +342,7 @@ void _hk_huge_free(void* p) {
   h->magic = 0;
   _hk_map[chunk_of(p)] = HK_MAP_NONE;
   _hk_unlock(&huge_lock);
-  hk_sub_relaxed(&_hk_proc.committed_bytes, map_len);
-  _hk_os_unmap(base, map_len);
+  unmap_range(base, map_len);
 }
 
 /* The request rounded up to whole pages: usable without touching pages
@@ -406,8 +396,7 @@ bool _hk_huge_trim(void) {
   bool any = list != NULL;
   while (list) {
     hk_huge_t* next = list->next_cached;
-    hk_sub_relaxed(&_hk_proc.committed_bytes, list->map_len);
-    _hk_os_unmap(list->base, list->map_len);
+    unmap_range(list->base, list->map_len);
     list = next;
   }
   return any;

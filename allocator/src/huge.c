@@ -44,7 +44,7 @@ static size_t touched_end(const hk_huge_t* h) {
   return round_up((size_t)(user - (const uint8_t*)h->base) + h->dirty, HK_OS_PAGE);
 }
 
-static void* place(void* base, size_t map_len, size_t off, size_t n) {
+static void* place(void* base, size_t map_len, size_t off, size_t n, bool several) {
   uint8_t* user = (uint8_t*)base + off;
   hk_huge_t* h = header_of(user);
   h->magic = HK_HUGE_MAGIC ^ (uintptr_t)user;
@@ -52,6 +52,7 @@ static void* place(void* base, size_t map_len, size_t off, size_t n) {
   h->map_len = map_len;
   h->size = n;
   h->state = HK_HUGE_LIVE;
+  h->several = several;
   h->next_cached = NULL;
   _hk_map[chunk_of(user)] = HK_MAP_HUGE;
   return user;
@@ -131,10 +132,11 @@ static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
   void* base = h->base;
   size_t map_len = h->map_len;
   size_t old_end = touched_end(h);
+  bool several = h->several;
   HK_VG_DEFINED(base, map_len);   /* the old object was "freed" for memcheck */
   hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
   *dirty_out = old_end - off;
-  return place(base, map_len, off, n);
+  return place(base, map_len, off, n, several);
 }
 
 /* ---- pieces ------------------------------------------------------------------
@@ -152,13 +154,14 @@ static void* cache_take(size_t n, size_t off, size_t* dirty_out) {
  * benchmark's own sizes, against tcmalloc's 31k.
  *
  * Pieces and remainders are whole chunks, so every mapping boundary inside
- * an object lies on a chunk boundary: move_range falls back to chunk by
- * chunk where the kernel will not move a range made of several mappings
- * at once (before Linux 6.17). */
+ * an object lies on a chunk boundary, and a header's `several` says
+ * whether its mapping may have any: move_range moves such a mapping chunk
+ * by chunk, each inside one kernel mapping (move_range says why). */
 typedef struct piece_s {
   uint8_t* base;
   size_t   len;       /* bytes used from base (whole chunks) */
   size_t   touched;   /* of those, how far earlier objects may have written */
+  bool     several;   /* may be several kernel mappings */
 } piece_t;
 
 /* A piece is worth a mremap when it brings half a chunk of touched pages. */
@@ -173,9 +176,9 @@ typedef struct pieces_s {
 
 /* The part of a split mapping past `used`, as a cached mapping of its own
  * (its header written in its first page, which earlier objects touched). */
-static hk_huge_t* cached_remainder(uint8_t* base, size_t len, size_t touched) {
+static hk_huge_t* cached_remainder(uint8_t* base, size_t len, size_t touched, bool several) {
   HK_VG_DEFINED(base + HK_OS_PAGE - sizeof(hk_huge_t), sizeof(hk_huge_t));
-  hk_huge_t* h = header_of(place(base, len, HK_OS_PAGE, 0));
+  hk_huge_t* h = header_of(place(base, len, HK_OS_PAGE, 0, several));
   h->dirty = touched - HK_OS_PAGE;   /* touched_end(h) == touched */
   h->state = HK_HUGE_CACHED;         /* cache_put says so too, if it takes it */
   return h;
@@ -207,41 +210,58 @@ static void take_pieces(size_t need, size_t budget, pieces_t* pc) {
     hk_huge_t* h = cache_unlink(best);
     uint8_t* base = h->base;
     size_t len = h->map_len, te = touched_end(h);
+    bool several = h->several;
     size_t used = len < room ? len : room;
-    pc->p[pc->n++] = (piece_t){base, used, te < used ? te : used};
+    pc->p[pc->n++] = (piece_t){base, used, te < used ? te : used, several};
     if (len > used) {
       size_t kept = 0;
       if (te > used) {
         kept = round_up(te - used, HK_SEG_SIZE);
-        rem[nrem++] = cached_remainder(base + used, kept, te - used);
+        rem[nrem++] = cached_remainder(base + used, kept, te - used, several);
       }
-      if (used + kept < len) pc->drop[pc->ndrop++] = (piece_t){base + used + kept, len - used - kept, 0};
+      if (used + kept < len)
+        pc->drop[pc->ndrop++] = (piece_t){base + used + kept, len - used - kept, 0, false};
     }
     pos += used;
   }
   for (unsigned i = 0; i < nrem; i++)
     if (!cache_put(rem[i], budget)) {
       _hk_map[chunk_of((uint8_t*)rem[i] + sizeof(hk_huge_t))] = HK_MAP_NONE;
-      pc->drop[pc->ndrop++] = (piece_t){rem[i]->base, rem[i]->map_len, 0};
+      pc->drop[pc->ndrop++] = (piece_t){rem[i]->base, rem[i]->map_len, 0, false};
     }
 }
 
-/* Moves [src, src+len) to dst; a range the kernel will not move at once
- * (several mappings, before Linux 6.17) goes chunk by chunk, each inside
- * one mapping. A chunk that still will not move is given back: dst keeps
- * the fresh pages there. */
-static void move_range(uint8_t* src, size_t len, uint8_t* dst) {
-  if (_hk_os_move(src, len, dst) == 0) return;
-  for (size_t o = 0; o < len; o += HK_SEG_SIZE)
-    if (_hk_os_move(src + o, HK_SEG_SIZE, dst + o) != 0) _hk_os_unmap(src + o, HK_SEG_SIZE);
+/* Moves [src, src+len) to dst: in one call where it is one kernel
+ * mapping, else chunk by chunk, each inside one. Never a range that may
+ * be several mappings in one call: before Linux 6.17 the kernel refuses
+ * that (EFAULT) only after it has unmapped the destination, and another
+ * thread's mmap could take the hole before a chunk-by-chunk retry filled
+ * it again (MREMAP_FIXED would then unmap that thread's memory). A chunk
+ * that will not move goes back to the OS and dst keeps fresh pages there,
+ * mapped again if the failed call had unmapped them. false, with *hole,
+ * when that failed too: dst has a hole at dst + *hole. */
+static bool move_range(uint8_t* src, size_t len, uint8_t* dst, bool several, size_t* hole) {
+  if (!several && _hk_os_move(src, len, dst) == 0) return true;
+  for (size_t o = 0; o < len; o += HK_SEG_SIZE) {
+    if (_hk_os_move(src + o, HK_SEG_SIZE, dst + o) == 0) continue;
+    _hk_os_unmap(src + o, HK_SEG_SIZE);
+    if (!_hk_os_refill(dst + o, HK_SEG_SIZE)) {
+      if (o + HK_SEG_SIZE < len) _hk_os_unmap(src + o + HK_SEG_SIZE, len - o - HK_SEG_SIZE);
+      *hole = o;
+      return false;
+    }
+  }
+  return true;
 }
 
 /* A mapping of map_len bytes for an object at offset off, made of cached
  * pieces where they bring touched pages. *dirty_end gets how far from the
  * base pages may have been touched (0: all fresh). NULL when mapping
  * fails (the pieces are then given back to the OS). */
-static void* map_reusing(size_t off, size_t map_len, size_t align_map, size_t* dirty_end) {
+static void* map_reusing(size_t off, size_t map_len, size_t align_map, size_t* dirty_end,
+                         bool* several) {
   *dirty_end = 0;
+  *several = false;
   pieces_t pc;
   pc.n = pc.ndrop = 0;
   if (cache) {
@@ -255,6 +275,7 @@ static void* map_reusing(size_t off, size_t map_len, size_t align_map, size_t* d
     HK_VG_DEFINED(pc.p[0].base, map_len);
     hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
     *dirty_end = pc.p[0].touched;
+    *several = pc.p[0].several;
     return pc.p[0].base;   /* counted as committed already */
   }
   void* base;
@@ -265,14 +286,28 @@ static void* map_reusing(size_t off, size_t map_len, size_t align_map, size_t* d
   hk_add_relaxed(&_hk_proc.committed_bytes, map_len);
   size_t pos = 0;
   for (unsigned i = 0; i < pc.n; i++) {
-    move_range(pc.p[i].base, pc.p[i].len, (uint8_t*)base + pos);
+    size_t hole;
+    bool moved = move_range(pc.p[i].base, pc.p[i].len, (uint8_t*)base + pos, pc.p[i].several, &hole);
     /* The moved pages replace fresh ones already counted as committed. */
     hk_sub_relaxed(&_hk_proc.committed_bytes, pc.p[i].len);
+    if (!moved) {
+      /* No object over a hole: the rest goes back, around the hole (no
+       * longer ours to unmap), and the object gets fresh pages. */
+      for (unsigned j = i + 1; j < pc.n; j++) unmap_range(pc.p[j].base, pc.p[j].len);
+      hk_sub_relaxed(&_hk_proc.committed_bytes, HK_SEG_SIZE);
+      unmap_range(base, pos + hole);
+      unmap_range((uint8_t*)base + pos + hole + HK_SEG_SIZE, map_len - pos - hole - HK_SEG_SIZE);
+      *dirty_end = 0;
+      if (_hk_os_map_aligned(map_len, align_map, false, &base) != 0) return NULL;
+      hk_add_relaxed(&_hk_proc.committed_bytes, map_len);
+      return base;
+    }
     HK_VG_DEFINED((uint8_t*)base + pos, pc.p[i].len);
     if (pc.p[i].touched) *dirty_end = pos + pc.p[i].touched;
     pos += pc.p[i].len;
   }
   if (pc.n) hk_add_relaxed(&_hk_proc.huge_cache_hits, 1);
+  *several = pc.n > 0;   /* moved pieces and fresh pages are separate mappings */
   return base;
 }
 
@@ -291,7 +326,8 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
   if (!user) {
     size_t align_map = off > HK_SEG_SIZE ? off : HK_SEG_SIZE;
     size_t end;
-    void* base = map_reusing(off, map_len, align_map, &end);
+    bool several;
+    void* base = map_reusing(off, map_len, align_map, &end, &several);
     /* Out of memory (address space, under a `ulimit -v`): everything the
      * allocator caches goes back to the OS, warm slabs first so that the
      * segments they leave empty go too, and the mapping gets one more try. */
@@ -299,12 +335,12 @@ void* _hk_huge_alloc(size_t n, size_t align, bool zero) {
       bool any = _hk_trim_warm();
       any |= _hk_segment_trim();
       any |= _hk_huge_trim();
-      if (any) base = map_reusing(off, map_len, align_map, &end);
+      if (any) base = map_reusing(off, map_len, align_map, &end, &several);
     }
     if (!base) { errno = ENOMEM; return NULL; }
     dirty = end > off ? end - off : 0;
     _hk_lock(&huge_lock);
-    user = place(base, map_len, off, n);
+    user = place(base, map_len, off, n, several);
     _hk_unlock(&huge_lock);
   }
   header_of(user)->dirty = dirty > n ? dirty : n;

@@ -133,6 +133,16 @@ int _hk_os_move(void* p, size_t len, void* dst) {
   return q == MAP_FAILED ? errno : 0;
 }
 
+bool _hk_os_refill(void* p, size_t len) {
+  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  void* q = KERNEL_TIMED(mmap(p, len, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0));
+  if (q == p) return true;                        /* the hole, filled */
+  if (q == MAP_FAILED) return errno == EEXIST;    /* still mapped */
+  _hk_os_unmap(q, len);   /* a kernel before 4.17 took the flag for a hint: p is taken */
+  return true;
+}
+
 int _hk_os_shrink(void* p, size_t old_len, size_t new_len) {
   if (new_len >= old_len) return 0;
   return _hk_os_unmap((char*)p + new_len, old_len - new_len);

@@ -30,6 +30,10 @@ int _hk_os_grow_in_place(void* p, size_t old_len, size_t new_len);
 /* Moves the pages of [p, p+len) to dst, replacing what was mapped there
  * (mremap: page tables move, no copy). */
 int _hk_os_move(void* p, size_t len, void* dst);
+/* After a move that failed: true when [p, p+len) is mapped (it still was,
+ * or fresh zero pages now fill the hole the failed call left), false when
+ * it is a hole that could not be filled. */
+bool _hk_os_refill(void* p, size_t len);
 /* Shrinks a mapping in place. */
 int _hk_os_shrink(void* p, size_t old_len, size_t new_len);
 /* Maps len bytes of file fd shared (the telemetry file), and unmaps it. */

@@ -245,7 +245,9 @@ typedef struct hk_huge_s {
   size_t   size;           /* bytes requested (usable = map end - user) */
   size_t   dirty;          /* bytes from user that may have been touched */
   uint32_t state;          /* HK_HUGE_* */
-  uint32_t _pad;
+  uint32_t several;        /* 1: the mapping may be several kernel mappings
+                              (joined from pieces, huge.c), met at chunk
+                              boundaries */
   struct hk_huge_s* next_cached;
   uint64_t _pad2;
 } hk_huge_t;

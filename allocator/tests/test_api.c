@@ -1241,9 +1241,9 @@ TEST(huge_pieces_split_and_join) {
   }
   CHECK(check_byte(c, 26 * MiB, 0x33) < 0);
 
-  /* A mapping joined from pieces is several kernel mappings: moved whole
-   * into a bigger object (or chunk by chunk where the kernel will not move
-   * them at once), its pages still need no fault. */
+  /* A mapping joined from pieces is several kernel mappings: moved chunk
+   * by chunk into a bigger object (test_old_kernel_mremap says why), its
+   * pages still need no fault. */
   free(c);
   f0 = minor_faults();
   unsigned char* e = calloc(1, 30 * MiB);

@@ -128,20 +128,6 @@ static long check_pat(const void* p, size_t n, size_t filled, uint64_t tag) {
   return -1;
 }
 
-static long check_byte(const void* p, size_t n, unsigned char v) {
-  const unsigned char* b = p;
-  uint64_t vv = 0x0101010101010101ull * v;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    memcpy(&w, b + i, 8);
-    if (w != vv) break;
-  }
-  for (; i < n; i++)
-    if (b[i] != v) return (long)i;
-  return -1;
-}
-
 #define CHECK_PAT(p, n, filled, tag)                                          \
   do {                                                                        \
     long off_ = check_pat((p), (n), (filled), (tag));                         \
@@ -1180,12 +1166,6 @@ TEST(huge_realloc_grows_in_place) {
 }
 
 /* ---- huge blocks put together from cached pieces ------------------------------ */
-static long minor_faults(void) {
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_minflt;
-}
-
 /* huge.c "pieces": a freed mapping much bigger than a new request is split
  * (the request served where it lies, the touched remainder cached on its
  * own), and a request bigger than any cached mapping is joined from

@@ -14,6 +14,7 @@
 
 #include "hakmem.h"
 #include "harness.h"
+#include "testutil.h"
 
 static hk_stats_t st0, st1;
 static hk_policy_t start_policy;   /* the default: main reads it before any test */
@@ -133,12 +134,6 @@ TEST(warm_pool_zero_sends_slab_churn_to_the_page_level) {
               (unsigned long long)st1.committed_bytes >> 10, (unsigned long long)t.committed_bytes >> 10);
   CHECK(t.madvise_calls > st1.madvise_calls);
   CHECK(st1.committed_bytes >= t.committed_bytes + 2 * 1024 * 1024);   /* the churn's ~3 MiB */
-}
-
-static long minor_faults(void) {
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_minflt;
 }
 
 /* Pages one class emptied serve another class's new slabs without faulting

@@ -115,19 +115,6 @@ void* mmap(void* addr, size_t len, int prot, int flags, int fd, off_t off) {
 }
 
 /* ---- helpers -------------------------------------------------------------------- */
-static long minor_faults(void) {
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_minflt;
-}
-
-static long check_byte(const void* p, size_t n, unsigned char v) {
-  const unsigned char* b = p;
-  for (size_t i = 0; i < n; i++)
-    if (b[i] != v) return (long)i;
-  return -1;
-}
-
 static hk_stats_t s0, s1;
 
 static void start(void) {

@@ -5,6 +5,8 @@
  *   pat(seed, i)      the pattern byte at position i of an object
  *   now_s()           CLOCK_MONOTONIC in seconds
  *   under_valgrind()  whether valgrind's preload is in LD_PRELOAD
+ *   minor_faults()    this process's minor page faults so far
+ *   check_byte(p,n,v) the offset of the first byte of p[0..n) that is not v, or -1
  *   FAILF(fmt, ...)   C only: counts a failure in g_errors and reports the
  *                     first 20 through harness_say (include harness.h first)
  *
@@ -20,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 static inline uint64_t mix64(uint64_t x) {
@@ -59,6 +62,26 @@ static inline int under_valgrind(void) {
 
 /* Ends the test with `msg` on stderr (write(2), allocation-free) if it is
  * still running after `secs` seconds: a hang fails instead of blocking CI. */
+static inline long minor_faults(void) {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
+
+static inline long check_byte(const void* p, size_t n, unsigned char v) {
+  const unsigned char* b = (const unsigned char*)p;
+  uint64_t vv = 0x0101010101010101ull * v;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    memcpy(&w, b + i, 8);
+    if (w != vv) break;
+  }
+  for (; i < n; i++)
+    if (b[i] != v) return (long)i;
+  return -1;
+}
+
 static const char* hang_msg_;
 static inline void hang_alarm_handler_(int sig) {
   (void)sig;

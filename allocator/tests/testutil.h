@@ -60,8 +60,6 @@ static inline int under_valgrind(void) {
   return p && strstr(p, "vgpreload") != NULL;
 }
 
-/* Ends the test with `msg` on stderr (write(2), allocation-free) if it is
- * still running after `secs` seconds: a hang fails instead of blocking CI. */
 static inline long minor_faults(void) {
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
@@ -82,6 +80,8 @@ static inline long check_byte(const void* p, size_t n, unsigned char v) {
   return -1;
 }
 
+/* Ends the test with `msg` on stderr (write(2), allocation-free) if it is
+ * still running after `secs` seconds: a hang fails instead of blocking CI. */
 static const char* hang_msg_;
 static inline void hang_alarm_handler_(int sig) {
   (void)sig;

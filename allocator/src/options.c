@@ -1,7 +1,8 @@
 /* options.c — the options table and the live policy.
  *
  * Start-up values come from HAKMEM_* environment variables, read once at
- * initialization (never on the fast path); they seed the live policy, which
+ * initialization (never on the fast path; never under secure execution, see
+ * _hk_env_get); they seed the live policy, which
  * is what hk_policy_set and the learner's snapshots (telemetry.c) change at
  * run time. The knobs, their bounds and defaults are generated from
  * schemas/shm_layout.json (hakmem_knobs.h: the lists; knobs.h: the rules);
@@ -70,8 +71,13 @@ static hk_option_t options[OPT_COUNT] = {
   [OPT_TELEMETRY_MS] = {"HAKMEM_TELEMETRY_MS", 100, 10, 60000, "ms",     "minimum interval between telemetry records"},
 };
 
+/* A setuid, setgid or capability-raised program (AT_SECURE) runs with its
+ * caller's environment and its owner's privileges: no HAKMEM_* variable is
+ * read, as glibc reads no MALLOC_*, or a caller would choose where a trace
+ * is created as root, or which telemetry directory the program trusts. This
+ * and options_read are the only readers of the environment. */
 const char* _hk_env_get(const char* name) {
-  if (!environ) return NULL;
+  if (!environ || _hk_os_secure()) return NULL;
   size_t n = strlen(name);
   for (char** e = environ; *e; e++)
     if (strncmp(*e, name, n) == 0 && (*e)[n] == '=') return *e + n + 1;
@@ -99,7 +105,7 @@ static void options_read(void) {
   /* One pass over the environment (every process pays for it at start),
    * the first value of a name winning as with getenv. */
   const char* found[OPT_COUNT] = {0};
-  for (char** e = environ; e && *e; e++) {
+  for (char** e = _hk_os_secure() ? NULL : environ; e && *e; e++) {   /* see _hk_env_get */
     if (strncmp(*e, "HAKMEM_", 7) != 0) continue;
     for (int i = 0; i < OPT_COUNT; i++) {
       size_t n = strlen(options[i].env);

@@ -162,9 +162,24 @@ uint64_t _hk_os_now_coarse_ns(void) {
 
 uint32_t _hk_os_tid(void) { return (uint32_t)syscall(SYS_gettid); }
 
+/* How much of want bytes fd can take before RLIMIT_FSIZE: all of them but
+ * for a regular file, whose size is limited. Where it would be written is
+ * looked up for each write, since another writer may append meanwhile. */
+static size_t fsize_room(int fd, size_t want) {
+  uint64_t limit = _hk_os_fsize_limit();
+  struct stat sb;
+  if (limit == UINT64_MAX || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) return want;
+  int fl = fcntl(fd, F_GETFL);
+  off_t at = fl >= 0 && (fl & O_APPEND) ? sb.st_size : lseek(fd, 0, SEEK_CUR);
+  if (at < 0 || (uint64_t)at >= limit) return 0;
+  return limit - (uint64_t)at < want ? (size_t)(limit - (uint64_t)at) : want;
+}
+
 void _hk_os_write(int fd, const char* buf, size_t len) {
   while (len > 0) {
-    ssize_t w = write(fd, buf, len);
+    size_t room = fsize_room(fd, len);
+    if (room == 0) return;
+    ssize_t w = write(fd, buf, room);
     if (w < 0) { if (errno == EINTR) continue; return; }
     buf += w;
     len -= (size_t)w;
@@ -257,6 +272,7 @@ uint32_t _hk_os_euid(void) { return (uint32_t)geteuid(); }
 /* ---- the process --------------------------------------------------------------- */
 uint32_t _hk_os_pid(void) { return (uint32_t)getpid(); }
 uint32_t _hk_os_uid(void) { return (uint32_t)getuid(); }
+bool _hk_os_secure(void) { return getauxval(AT_SECURE) != 0; }
 
 uint64_t _hk_os_wall_ns(void) {
   struct timespec ts;
@@ -366,6 +382,8 @@ int _hk_os_create_wo_at(int dfd, const char* name, int* fd) {
 }
 
 int _hk_os_append(int fd, const void* buf, size_t len, uint64_t off) {
+  uint64_t limit = _hk_os_fsize_limit();
+  if (off > limit || len > limit - off) return EFBIG;
   const char* b = buf;
   size_t left = len;
   while (left > 0) {

@@ -77,7 +77,9 @@ uint64_t _hk_os_now_ns(void);
 uint64_t _hk_os_now_coarse_ns(void);
 /* Current thread's kernel id. */
 uint32_t _hk_os_tid(void);
-/* Writes all of buf to fd, retrying short writes; never allocates. */
+/* Writes all of buf to fd, retrying short writes; never allocates. To a
+ * regular file, only what fits under RLIMIT_FSIZE (a write at the limit
+ * raises SIGXFSZ, which kills): the rest is dropped. */
 void _hk_os_write(int fd, const char* buf, size_t len);
 /* The CPU's time-stamp counter: slow-path time is kept in these ticks and
  * converted to ns over the process's life (stats.c), so the slow paths
@@ -87,6 +89,9 @@ static inline uint64_t _hk_os_ticks(void) { return __builtin_ia32_rdtsc(); }
 /* ---- the process (telemetry.c's header, thread.c's registry, init.c) */
 uint32_t _hk_os_pid(void);
 uint32_t _hk_os_uid(void);                 /* real user id */
+/* Secure execution (AT_SECURE: setuid, setgid, file capabilities): the
+ * environment is the caller's, and the allocator reads nothing from it. */
+bool _hk_os_secure(void);
 /* CLOCK_REALTIME in nanoseconds. */
 uint64_t _hk_os_wall_ns(void);
 /* Whether the thread tid of this process no longer exists (tgkill with
@@ -110,9 +115,12 @@ int _hk_os_create_path(const char* path, int* fd);
 /* The same, as dfd/name. */
 int _hk_os_create_wo_at(int dfd, const char* name, int* fd);
 /* Writes all of buf at the file's end, which is at off; on failure cuts
- * the file back to off (so no half record stays) and returns the errno. */
+ * the file back to off (so no half record stays) and returns the errno.
+ * EFBIG, with nothing written, when off + len would pass RLIMIT_FSIZE as it
+ * is now (the program may lower it at any time). */
 int _hk_os_append(int fd, const void* buf, size_t len, uint64_t off);
-/* RLIMIT_FSIZE (UINT64_MAX: none): writing past it raises SIGXFSZ. */
+/* RLIMIT_FSIZE (UINT64_MAX: none): writing past it raises SIGXFSZ, which
+ * kills; every file the allocator grows is checked against it first. */
 uint64_t _hk_os_fsize_limit(void);
 /* Up to cap bytes of a small file (/proc/self/cmdline); 0 if unreadable. */
 size_t _hk_os_read_small(const char* path, char* buf, size_t cap);

@@ -26,7 +26,9 @@
  *  - a file is made only while a reader holds the lease (lease_held;
  *    learner/hakmem/lease.py CONTRACT), so without learnd nothing piles up;
  *  - the file's blocks are reserved (fallocate) before the mapping is
- *    written: a full filesystem means no telemetry, never SIGBUS;
+ *    written: a full filesystem means no telemetry, never SIGBUS; and no
+ *    file is made that RLIMIT_FSIZE would not let it grow to (fallocate
+ *    past the limit raises SIGXFSZ, which kills);
  *  - at exit the name is removed only if it still leads to our file in our
  *    directory (both compared by device and inode);
  *  - every way this fails is counted (tel_failures) and the last reason is
@@ -84,6 +86,7 @@ enum {
   WHY_DIR_MODE,         /* others may write it and it is not sticky */
   WHY_NAME_TAKEN,       /* our name exists and is not our file (arg: owner) */
   WHY_NO_SPACE,         /* the filesystem cannot hold the file's blocks */
+  WHY_FSIZE,            /* RLIMIT_FSIZE is below the file's size (arg: the limit, bytes) */
   WHY_ERROR,            /* another error (arg: errno) */
 };
 #define WHY_FIRST_FAILURE WHY_DIR_LINK
@@ -372,6 +375,13 @@ static int create_named(int dfd, uint32_t euid, int* fd, hk_file_info_t* f) {
   return err;
 }
 
+/* The file's length: header, ring and policy area, in whole pages. */
+static size_t file_len(void) {
+  size_t len = HK_SHM_HEADER_SIZE + (size_t)HK_SHM_RING_SLOTS * sizeof(hk_shm_record_t) +
+               sizeof(hk_shm_policy_area_t);
+  return (len + HK_OS_PAGE - 1) & ~(size_t)(HK_OS_PAGE - 1);
+}
+
 /* Tries to make and map this process's file (tel.lock held); false leaves
  * it PENDING with the reason in tel.why. */
 static bool create_file(void) {
@@ -392,6 +402,13 @@ static bool create_file(void) {
   else if (lease_held(dfd, euid))
     ok = true;
   if (!ok) { _hk_os_close(dfd); return false; }
+  size_t len = file_len();
+  /* Looked at on every try: the program may change its limit. */
+  uint64_t fsize = _hk_os_fsize_limit();
+  if (len > fsize) {
+    _hk_os_close(dfd);
+    return not_made(WHY_FSIZE, (uint32_t)fsize);   /* below len (about 1 MiB): 32 bits hold it */
+  }
 
   uint32_t pid = _hk_os_pid();
   uint64_t start_time = _hk_os_start_time();
@@ -405,9 +422,6 @@ static bool create_file(void) {
     if (err == EEXIST) return not_made(WHY_NAME_TAKEN, f.uid);
     return not_made(err == ENOSPC || err == EDQUOT ? WHY_NO_SPACE : WHY_ERROR, (uint32_t)err);
   }
-  size_t len = HK_SHM_HEADER_SIZE + (size_t)HK_SHM_RING_SLOTS * sizeof(hk_shm_record_t) +
-               sizeof(hk_shm_policy_area_t);
-  len = (len + HK_OS_PAGE - 1) & ~(size_t)(HK_OS_PAGE - 1);
   /* Every block the mapping will write is allocated now: a write through a
    * mapping to a block the filesystem cannot supply is SIGBUS, and any user
    * can fill /dev/shm. */
@@ -588,6 +602,9 @@ size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures) {
       n = _hk_fmt(buf, cap, "  telemetry: off: name taken: %s is owned by uid %u", tel.path, arg); break;
     case WHY_NO_SPACE:
       n = _hk_fmt(buf, cap, "  telemetry: off: no space for the file's blocks in %s", dir); break;
+    case WHY_FSIZE:
+      n = _hk_fmt(buf, cap, "  telemetry: off: RLIMIT_FSIZE (%u bytes) is below the file's %lu bytes", arg,
+                  (uint64_t)file_len()); break;
     default:
       n = _hk_fmt(buf, cap, "  telemetry: off: cannot make the file in %s (errno %u)", dir, arg); break;
   }

@@ -17,11 +17,13 @@
  *            else names, and bounded in seconds and bytes.
  *
  * NEVER IN THE PROGRAM'S WAY: buffers and the packing area are mapped from
- * the OS (prim.c); a chunk that cannot be written (disk full, RLIMIT_FSIZE)
- * is dropped and counted, the file cut back so no half chunk stays; a path
- * that exists already (a file, a link) is not opened: capture stays off and
- * the reason is printed by HAKMEM_STATS. A forked child stops capturing (it
- * would share the parent's file offset); its own exec starts afresh.
+ * the OS (prim.c); a chunk that cannot be written (disk full, RLIMIT_FSIZE
+ * as it is at that chunk: the program may lower it) is dropped and counted,
+ * the file cut back so no half chunk stays; a path that exists already (a
+ * file, a link) is not opened, nor is a file made where RLIMIT_FSIZE leaves
+ * no room for its header: capture stays off and the reason is printed by
+ * HAKMEM_STATS. A forked child stops capturing (it would share the parent's
+ * file offset); its own exec starts afresh.
  *
  * LOCKS: a buffer's lock is taken by its thread for each event and by the
  * thread that ends a capture to flush it; w.lock (the file) is taken under a
@@ -38,7 +40,9 @@
 #define SET_SLOTS    (1u << 16)   /* sampled objects live at once, at most ~3/4 of it */
 #define SET_PROBES   64u
 #define PACK_CAP     (CHUNK_EVENTS * 48u + 4096u)  /* worst case of one chunk, framed */
-#define HEADER_CAP   4096u
+#define HEADER_CAP   4096u   /* a header chunk's size, at most */
+
+static const char magic[8] = {'H', 'K', 'T', 'R', 'A', 'C', 'E', '1'};
 
 bool _hk_trace_on;
 uint32_t _hk_trace_sample_bytes;
@@ -61,7 +65,7 @@ typedef struct hk_tbuf_s {
 } hk_tbuf_t;
 
 enum { CAP_OFF = 0, CAP_RUNNING, CAP_DONE };
-enum { WHY_OFF = 0, WHY_ON, WHY_EXISTS, WHY_OPEN, WHY_WRITE, WHY_TOO_LONG, WHY_NOMEM };
+enum { WHY_OFF = 0, WHY_ON, WHY_EXISTS, WHY_OPEN, WHY_WRITE, WHY_TOO_LONG, WHY_NOMEM, WHY_FSIZE };
 
 static struct {
   hk_lock_t lock;              /* the file and everything below it */
@@ -78,7 +82,7 @@ static struct {
   uint64_t limit_ns;           /* 0: none */
   uint64_t limit_bytes;        /* 0: none */
   uint32_t limit_seconds;
-  uint64_t fsize_limit;
+  uint64_t fsize_limit;        /* WHY_FSIZE: RLIMIT_FSIZE as it was */
   uint64_t off;                /* bytes in the file */
   uint64_t seq;                /* next chunk number */
   _Atomic uint32_t threads;
@@ -147,9 +151,7 @@ static bool write_chunk(Hakmem__Trace__V1__TraceChunk* c, bool last) {
     hk_store_relaxed(&w.stop, 1);
     return false;
   }
-  /* Past RLIMIT_FSIZE the kernel would raise SIGXFSZ, which kills. */
-  if (w.off + total > w.fsize_limit) return false;
-  int err = _hk_os_append(w.fd, out, total, w.off);
+  int err = _hk_os_append(w.fd, out, total, w.off);   /* EFBIG past RLIMIT_FSIZE: dropped */
   if (err) {
     if (err == EIO) {   /* could not cut back: nothing more can be framed */
       w.why = WHY_WRITE;
@@ -244,13 +246,12 @@ static void begin(int fd, unsigned mode) {
   hk_store_relaxed(&w.dropped, 0);
   hk_store_relaxed(&w.stop, 0);
   w.end_reason = NULL;
-  w.fsize_limit = _hk_os_fsize_limit();
   w.start_ns = _hk_os_now_ns();
   w.start_wall_ns = _hk_os_wall_ns();
   w.limit_ns = w.limit_seconds ? w.start_ns + (uint64_t)w.limit_seconds * 1000000000ull : 0;
-  static const char magic[8] = {'H', 'K', 'T', 'R', 'A', 'C', 'E', '1'};
-  if (_hk_os_append(fd, magic, sizeof magic, 0) != 0) {
-    w.why = WHY_WRITE;
+  int err = _hk_os_append(fd, magic, sizeof magic, 0);
+  if (err) {
+    w.why = err == EFBIG ? WHY_FSIZE : WHY_WRITE;
     _hk_os_close(fd);
     w.fd = -1;
     return;
@@ -469,6 +470,14 @@ void _hk_trace_after_fork_child(void) {
 
 void _hk_trace_exit(void) { finish("exit"); }
 
+/* Whether RLIMIT_FSIZE leaves room for the magic and a header: a file that
+ * cannot hold them would be no trace, and writing past the limit raises
+ * SIGXFSZ, so none is made. */
+static bool room_for_header(void) {
+  w.fsize_limit = _hk_os_fsize_limit();
+  return w.fsize_limit >= sizeof magic + HEADER_CAP;
+}
+
 /* ---- start ---------------------------------------------------------------------- */
 static uint64_t env_u64(const char* name) {
   const char* s = _hk_env_get(name);
@@ -498,6 +507,11 @@ void _hk_trace_start(void) {
     }
   }
   w.path[o] = 0;
+  if (!room_for_header()) {
+    w.why = WHY_FSIZE;
+    _hk_warn("trace off", "RLIMIT_FSIZE leaves no room for HAKMEM_TRACE's header");
+    return;
+  }
   uint64_t sample = env_u64("HAKMEM_TRACE_SAMPLE");
   if (sample > (1u << 30)) sample = 1u << 30;
   _hk_trace_sample_bytes = (uint32_t)sample;
@@ -530,6 +544,7 @@ int _hk_trace_live_start(int dfd, const char* name, uint32_t seconds, uint64_t m
   _hk_lock(&w.lock);
   if (w.state == CAP_RUNNING) { _hk_unlock(&w.lock); return EBUSY; }
   _hk_trace_sample_bytes = 0;
+  if (!room_for_header()) { _hk_unlock(&w.lock); return EFBIG; }
   if (!map_areas()) { _hk_unlock(&w.lock); return ENOMEM; }
   int fd;
   int err = _hk_os_create_wo_at(dfd, name, &fd);
@@ -566,6 +581,9 @@ size_t _hk_trace_describe(char* buf, size_t cap) {
       return _hk_fmt(buf, cap, "  trace: off: cannot create %s (errno %u)\n", w.path, (unsigned)w.err);
     case WHY_TOO_LONG: return _hk_fmt(buf, cap, "  trace: off: HAKMEM_TRACE is too long\n");
     case WHY_NOMEM: return _hk_fmt(buf, cap, "  trace: off: no memory for buffers\n");
+    case WHY_FSIZE:
+      return _hk_fmt(buf, cap, "  trace: off: RLIMIT_FSIZE (%lu bytes) leaves no room for %s's header\n",
+                     w.fsize_limit, w.path);
     default:
       return _hk_fmt(buf, cap, "  trace: %s%s, %s: %lu events, %lu chunks, %lu dropped, %lu late,"
                      " %lu picks not taken\n", modes[w.mode & 3],

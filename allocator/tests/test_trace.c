@@ -18,6 +18,9 @@
  *   disk_full        RLIMIT_FSIZE below the trace: the program runs to the
  *                    end (no SIGXFSZ), chunks dropped and counted, the file
  *                    still well framed with its footer
+ *   fsize_lowered    the same when the program lowers RLIMIT_FSIZE itself
+ *                    while the capture runs (the limit is read again for
+ *                    every chunk)
  *   max_bytes        HAKMEM_TRACE_MAX_BYTES ends the capture with its footer
  *                    (end_reason limit_bytes) before the file passes it
  *   exec_image       with %p, an image that execs leaves its file (no footer)
@@ -161,6 +164,8 @@ static void workload_resident(void) {
   }
 }
 
+#define FSIZE_LOWERED 24576
+
 static int child_main(const char* what) {
   if (!strcmp(what, "exec")) {   /* a wrapper: allocates, then becomes the real program */
     for (int i = 0; i < 100; i++) free(malloc(4444));
@@ -171,7 +176,11 @@ static int child_main(const char* what) {
   else if (!strcmp(what, "sampled")) workload_sampled();
   else if (!strcmp(what, "fork")) workload_fork();
   else if (!strcmp(what, "resident")) workload_resident();
-  else return 2;
+  else if (!strcmp(what, "lowered")) {   /* the capture began (header written) with no limit */
+    struct rlimit rl = {FSIZE_LOWERED, FSIZE_LOWERED};
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0) return 3;
+    workload_full();
+  } else return 2;
   const char* st = getenv("TEST_STATS_OUT");
   if (st) {
     int fd = open(st, O_WRONLY | O_CREAT | O_TRUNC, 0600);
@@ -475,6 +484,20 @@ TEST(hostile_path) {
   CHECK(stat(link, &sb) == 0 && sb.st_size == 4);
 }
 
+/* The HAKMEM_STATS table in statsf says the full capture dropped chunks. */
+static void says_dropped(const char* statsf) {
+  size_t len;
+  char* s = (char*)slurp(statsf, &len);
+  CHECK(s != NULL);
+  if (s) {
+    s[len] = 0;
+    char* at = strstr(s, "trace: full");
+    CHECK(at != NULL);
+    if (at) CHECK(strstr(at, " 0 dropped") == NULL && strstr(at, "dropped") != NULL);
+    free(s);
+  }
+}
+
 TEST(disk_full) {
   char p[512], stats[600], statsf[512];
   snprintf(p, sizeof p, "%s/full-disk.trace", dir);
@@ -492,16 +515,23 @@ TEST(disk_full) {
     CHECK_EQ(d.f_events, d.n);
     CHECK(d.f_events + d.f_dropped >= full.f_events - 200);
   }
-  size_t len;
-  char* s = (char*)slurp(statsf, &len);
-  CHECK(s != NULL);
-  if (s) {
-    s[len] = 0;
-    char* at = strstr(s, "trace: full");
-    CHECK(at != NULL);
-    if (at) CHECK(strstr(at, " 0 dropped") == NULL && strstr(at, "dropped") != NULL);
-    free(s);
-  }
+  says_dropped(statsf);
+}
+
+TEST(fsize_lowered) {
+  char p[512], stats[600], statsf[512];
+  snprintf(p, sizeof p, "%s/lowered.trace", dir);
+  snprintf(statsf, sizeof statsf, "%s/lowered.stats", dir);
+  snprintf(stats, sizeof stats, "TEST_STATS_OUT=%s", statsf);
+  int st = run_child("lowered", p, stats, NULL, 0);
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);   /* before: killed by SIGXFSZ (25) */
+  if (WIFSIGNALED(st)) fprintf(stderr, "fsize_lowered: the child died of signal %d\n", WTERMSIG(st));
+  decoded_t d;
+  decode(p, &d);
+  CHECK(d.ok && d.has_header);
+  struct stat sb;
+  CHECK(stat(p, &sb) == 0 && sb.st_size <= FSIZE_LOWERED);
+  says_dropped(statsf);
 }
 
 TEST(max_bytes) {
@@ -592,6 +622,7 @@ int main(int argc, char** argv) {
   RUN(sampled);
   RUN(hostile_path);
   RUN(disk_full);
+  RUN(fsize_lowered);
   RUN(max_bytes);
   RUN(exec_image);
   RUN(fork_child);

@@ -1,21 +1,26 @@
-"""Trust and faults, the allocator's side (issue 10): nothing another user
-puts in or does to the telemetry directory can kill, hang or steer a
-preloaded process, and what turns telemetry off is said in its stats.
+"""Trust and faults, the allocator's side (issues 10 and 36): nothing another
+user puts in or does to the telemetry directory can kill, hang or steer a
+preloaded process, and what turns telemetry off is said in its stats; nor can
+a file size limit kill it, nor the caller's environment steer a setuid program.
 
-One test per finding; each docstring says what main did before the fix and
-what it does now. The tests that need root (mounting a filesystem, another
-account) skip with the reason elsewhere."""
+One test per finding; each docstring says what main did
+before the fix and what it does now. The tests that need root (mounting a
+filesystem, another account, a setuid program) skip with the reason elsewhere."""
 import errno
 import json
 import os
+import pathlib
 import re
+import resource
 import shutil
 import subprocess
+import tempfile
 import time
 
 import pytest
 
-from conftest import as_user, need_root, proc_start_time, ring_path, scaled, start, start_as, wait_for
+from conftest import (BUILD, LIB, ROOT, WORKLOAD, as_user, clean_env, need_root, proc_start_time, ring_path,
+                      scaled, start, start_as, wait_for)
 from hakmem.lease import Lease
 
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else shutil.which("python3")
@@ -268,3 +273,172 @@ def test_squatted_name_is_counted_and_said(mallory, shared_shm):
     m = re.search(r"\((\d+) failures\)", line)
     assert m and int(m.group(1)) >= 1, line
     assert (shared_shm / name).stat().st_uid == mallory[0]
+
+
+# ---- 6. RLIMIT_FSIZE (issue 36) ----------------------------------------------------------
+def fsize_limit(nbytes):
+    """A preexec_fn: RLIMIT_FSIZE at nbytes, as `ulimit -f` sets it."""
+    def set_limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return set_limit
+
+
+def run_limited(nbytes, shm_dir, seconds=0.6, stderr=subprocess.PIPE, **env):
+    """run_stats under RLIMIT_FSIZE = nbytes: (exit status, stdout, stderr,
+    the files seen in shm_dir while it ran)."""
+    e = clean_env(LD_PRELOAD=str(LIB), HAKMEM_SHM_DIR=str(shm_dir), HAKMEM_STATS=1, **env)
+    p = subprocess.Popen([str(WORKLOAD), "burst", "64", "2000", str(seconds)],
+                         env=e, stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=fsize_limit(nbytes))
+    seen = set()
+    while p.poll() is None:
+        seen.update(ring_files(shm_dir))
+        time.sleep(0.01)        # the sampling interval
+    out, err = p.communicate(timeout=scaled(60))
+    return p.returncode, out, err, sorted(seen)
+
+
+def test_file_size_limit_turns_telemetry_off_instead_of_killing(shm):
+    """Before: under `ulimit -f 100` with a lease held, the telemetry file's
+    fallocate raised SIGXFSZ: the program died (-25 here, 153 in a shell) and
+    left a 0-byte file. After: the file's size is checked against the limit
+    before it is made; over it, no file, a counted failure, and the reason
+    in the stats."""
+    rc, out, err, seen = run_limited(100 << 10, shm)
+    assert rc == 0, f"exit {rc} (-25: SIGXFSZ)\n{err[-1000:]}"
+    assert json.loads(out.splitlines()[-1])["mode"] == "burst"
+    assert seen == [] and ring_files(shm) == []
+    line = telemetry_line(err)
+    assert line.startswith("off: RLIMIT_FSIZE") and "102400 bytes" in line, line
+    assert re.search(r"\(\d+ failures\)", line), line
+
+
+def test_file_size_limit_turns_the_trace_off_instead_of_killing(shm, tmp_path):
+    """Before: HAKMEM_TRACE under `ulimit -f 0` died of SIGXFSZ on the
+    trace's 8-byte magic, leaving an empty file. After: no room for the
+    trace's header under the limit means no trace file at all, and the
+    reason in the stats."""
+    tr = tmp_path / "x.trace"
+    rc, out, err, _ = run_limited(0, shm, seconds=0.2, HAKMEM_TRACE=tr)
+    assert rc == 0, f"exit {rc} (-25: SIGXFSZ)\n{err[-1000:]}"
+    assert json.loads(out.splitlines()[-1])["mode"] == "burst"
+    assert not tr.exists(), f"{tr} left behind ({tr.stat().st_size} bytes)"
+    m = re.search(r"^  trace: (.*)$", err, re.M)
+    assert m and m.group(1).startswith("off: RLIMIT_FSIZE (0 bytes)"), err[-2000:]
+
+
+@pytest.mark.parametrize("how", ["truncated", "appended"])
+def test_stats_to_a_file_stop_at_the_file_size_limit(tmp_path, how):
+    """Before: the exit-time table written to a stderr that is a regular
+    file under `ulimit -f 1` wrote up to the limit, then wrote again and
+    died of SIGXFSZ. After: only what fits under the limit is written."""
+    path = tmp_path / "stderr"
+    path.write_bytes(b"x" * 1000 if how == "appended" else b"")
+    with open(path, "a" if how == "appended" else "w") as f:
+        rc, out, _, _ = run_limited(1024, tmp_path, seconds=0.1, stderr=f, HAKMEM_TELEMETRY=0)
+    assert rc == 0, f"exit {rc} (-25: SIGXFSZ)"
+    assert json.loads(out.splitlines()[-1])["mode"] == "burst"
+    data = path.read_bytes()
+    assert len(data) == 1024, len(data)
+    assert data[1000 if how == "appended" else 0:].startswith(b"hakmem: stats"), data[:100]
+
+
+# ---- 7. secure execution (issue 36) --------------------------------------------------------
+SETUID_PROG = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+#include "hakmem.h"
+/* Allocates for argv[1] seconds (telemetry's first try is one epoch in),
+ * then says who it runs as and the 64-byte class's cache capacity. */
+int main(int argc, char** argv) {
+  double secs = argc > 1 ? atof(argv[1]) : 0;
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do {
+    for (int i = 0; i < 1000; i++) free(malloc(64 + i % 64));
+    clock_gettime(CLOCK_MONOTONIC, &t);
+  } while ((double)(t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) * 1e-9 < secs);
+  hk_policy_t p;
+  hk_policy_get(&p);
+  printf("{\"euid\": %u, \"tcache_cap\": %u}\n", (unsigned)geteuid(), p.tcache_cap[4]);
+  return 0;
+}
+"""
+
+
+@pytest.fixture
+def setuid_dir():
+    """A directory every user can reach, on a filesystem that honours the
+    setuid bit (not mounted nosuid: /dev/shm and often /tmp are), removed at
+    the end."""
+    need_root("makes a setuid-root program")
+    if not (shutil.which("cc") and shutil.which("findmnt")):
+        pytest.skip("needs cc and findmnt (util-linux)")
+    for base in (tempfile.gettempdir(), "/var/tmp", str(BUILD)):
+        opts = subprocess.run(["findmnt", "-n", "-o", "OPTIONS", "-T", base], capture_output=True, text=True)
+        if opts.returncode != 0 or "nosuid" in opts.stdout.split(","):
+            continue
+        p = pathlib.Path(base).resolve()
+        if not all(os.stat(a).st_mode & 0o001 for a in (p, *p.parents)):
+            continue   # some user cannot pass through
+        d = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-suid-", dir=p))
+        d.chmod(0o755)
+        try:
+            yield d
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        return
+    pytest.skip("no directory every user can reach on a filesystem without nosuid")
+
+
+def test_setuid_programs_ignore_the_callers_hakmem_variables(mallory, setuid_dir, tmp_path):
+    """Before: a setuid-root program linked with libhakmem.a, run by another
+    user with HAKMEM_TRACE=<a path in root's 0700 directory>, created that
+    file as root, and obeyed every other HAKMEM_* variable (the stats table,
+    the knobs, the telemetry directory). After: under AT_SECURE the
+    allocator reads no HAKMEM_* variable, as glibc reads no MALLOC_*: no
+    trace, no table, default knobs, telemetry only in /dev/shm/hakmem. The
+    same program without the setuid bit (the control) obeys them all."""
+    src = tmp_path / "suid.c"
+    src.write_text(SETUID_PROG)
+    prog = setuid_dir / "hk-suid"
+    # As the Makefile links its C tests (the builtins off, or cc drops free(malloc(n))).
+    subprocess.run(["cc", "-O1", "-fno-builtin-malloc", "-fno-builtin-free", f"-I{ROOT / 'allocator' / 'include'}",
+                    str(src), str(BUILD / "libhakmem.a"), "-lprotobuf-c", "-pthread", "-o", str(prog)],
+                   check=True, capture_output=True)
+    os.chown(prog, 0, 0)
+    secret = tmp_path / "secret"            # root's, 0700, under root's 0700 tmp_path
+    secret.mkdir(mode=0o700)
+    trace = secret / "x.trace"
+    mine = setuid_dir / "mallory-shm"       # a telemetry directory of mallory's
+    mine.mkdir(mode=0o700)
+    os.chown(mine, *mallory)
+    env = clean_env(HAKMEM_TRACE=trace, HAKMEM_STATS=1, HAKMEM_SHM_DIR=mine, HAKMEM_TCACHE_CAP=1,
+                    HAKMEM_TELEMETRY_MS=20)
+
+    def run(mode):
+        prog.chmod(mode)
+        p = as_user(mallory, [prog, 0.6], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = set()
+        while p.poll() is None:
+            seen.update(ring_files(mine))
+            time.sleep(0.01)    # the sampling interval
+        out, err = p.communicate(timeout=scaled(60))
+        assert p.returncode == 0, err
+        return json.loads(out.splitlines()[-1]), err, sorted(seen)
+
+    with Lease(mine, "test"):
+        did, err, seen = run(0o4755)
+        if did["euid"] != 0:
+            pytest.skip("the setuid bit is not honoured here (no_new_privs?)")
+        assert not trace.exists(), "HAKMEM_TRACE obeyed: the trace was created as root"
+        assert "hakmem" not in err, f"HAKMEM_STATS obeyed:\n{err[-1000:]}"
+        assert did["tcache_cap"] != 1, "HAKMEM_TCACHE_CAP obeyed"
+        assert seen == [], f"HAKMEM_SHM_DIR obeyed: {seen}"
+        # The control: the same program, not setuid, obeys every variable.
+        did, err, seen = run(0o755)
+    assert did["euid"] == mallory[0] and did["tcache_cap"] == 1, did
+    assert "hakmem: stats" in err and "HAKMEM_TCACHE_CAP=1" in err, err[-2000:]
+    assert re.search(r"^  trace: off: cannot create .*x\.trace", err, re.M), err[-2000:]
+    assert len(seen) == 1, f"no telemetry file in HAKMEM_SHM_DIR: {seen}\n{telemetry_line(err)}"

@@ -12,11 +12,13 @@
  *      trace.proto "OBJECT IDENTITY") and renames reused addresses into
  *      unique objects;
  *   3. installs the policy, then starts one thread per trace thread behind a
- *      barrier; each runs its own events in order. A thread that frees an
- *      object another thread allocates waits until that allocation has
- *      happened (a short spin, then yielding), so cross-thread frees stay
- *      cross-thread without serializing anything else. New objects are
- *      written (their first bytes and a byte per 4 KiB page), as the
+ *      barrier; each runs its own events in the order of step 2. A thread
+ *      that frees an object another thread allocates waits until that
+ *      allocation has happened (a short spin, then yielding), so cross-thread
+ *      frees stay cross-thread without serializing anything else. Every wait
+ *      is for an event earlier in that one order, so no two threads can wait
+ *      for each other, whatever order the file's chunks come in. New objects
+ *      are written (their first bytes and a byte per 4 KiB page), as the
  *      program wrote them at least once;
  *   4. measures from the barrier to the last thread's end.
  * Events run back to back, except across the trace's idle gaps (--pace
@@ -24,7 +26,13 @@
  * its previous one waits until that much time has passed since the replay
  * began, so what an allocator does with time (idle drains, warm pools that
  * decay, caches parked in a sleeping thread) happens in the replay too.
- * --pace none runs everything back to back.
+ * --pace none runs everything back to back. No event may come later than the
+ * trace lasted (its footer's duration; without one, the time its file was
+ * being written), so a hostile trace cannot make a replay wait for ever.
+ *
+ * A replay dies with the process that started it (PR_SET_PDEATHSIG), as do
+ * its runs: the Python side starts it in a session of its own, where
+ * nothing else would end it.
  *
  * Everything the replay itself needs (events, objects, the address map)
  * lives in memory from mmap, not from the allocator under test. */
@@ -32,6 +40,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
@@ -43,6 +52,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -60,15 +70,27 @@
 
 enum { OP_MALLOC = 1, OP_CALLOC, OP_REALLOC, OP_FREE, OP_ALIGNED, OP_THREAD_EXIT };
 
-static const char* trace_path;
-static const char* policy_path;
+static const char* trace_path;    /* the TRACE argument, or trace_label */
+static const char* policy_path;   /* --policy's, or policy_label */
 static const char* gate_path;
+/* --trace-fd, --policy-fd, --gate-fd: descriptors the caller passed open
+ * (learnd's private copies, with no name anybody could rename over), read
+ * from offset 0 and never reopened; the runs inherit them across exec. */
+static int trace_fd = -1, policy_fd = -1, gate_fd = -1;
+static const char *trace_fd_arg, *policy_fd_arg, *gate_fd_arg;
+static char trace_label[32], policy_label[32], gate_what[PATH_MAX + 16];   /* their names in messages */
 static const volatile uint8_t* gate;   /* --gate: its first byte nonzero while the watched program runs */
 static bool partial, touch_pages = true, json_out, pace_idle = true;
 #define GAP_NS 1000000u   /* --pace idle: a gap this long in a thread's events is kept */
 #define GATE_POLL_NS 1000000L                 /* --gate: a held thread looks again this often ... */
 #define GATE_MAX_HOLD_NS 2000000000ull        /* ... and goes on after this long, whatever the gate says */
 static int repeat = 1;
+/* A trace lasts its footer's duration, and no longer than its file was
+ * being written (from its header's start to the file's last change): no
+ * event, and so no idle wait, may come later than that, give or take. */
+#define DURATION_SLACK_NS 1000000000ull    /* the footer's time is read after the last event's */
+#define WRITTEN_SLACK_NS  60000000000ull   /* the wall clock may have been stepped meanwhile */
+static double file_end_unix;               /* the trace file's last change, or now if earlier */
 
 /* ---- errors ------------------------------------------------------------------ */
 static void die(int code, const char* fmt, ...) {
@@ -110,7 +132,8 @@ typedef struct {
   uint32_t layout_version, mode, threads;
   uint64_t events, objects, unmatched_frees, valid_bytes, file_bytes;
   int partial, has_footer;
-  char cut_reason[200];
+  uint64_t duration_ns;   /* the footer's */
+  char cut_reason[256];
   char exe[256];
 } trace_info_t;
 
@@ -132,19 +155,57 @@ static int get_varint(const uint8_t* p, const uint8_t* end, uint64_t* out) {
   return 0;
 }
 
+/* How long a trace that started at start_unix can have been written for:
+ * up to the file's last change, plus the slack. */
+static uint64_t written_ns(double start_unix) {
+  double span = file_end_unix - start_unix;
+  if (!(span > 0)) span = 0;   /* NaN, or a start after the file's last change */
+  if (span > 1.8e10) return UINT64_MAX;
+  return (uint64_t)(span * 1e9) + WRITTEN_SLACK_NS;
+}
+
+/* Whether the chunk's events all come within written (see written_ns) and
+ * limit (the footer's duration, once known); says why not. Times restart
+ * from the capture's start in every chunk, so each chunk is summed alone. */
+static bool times_ok(const Hakmem__Trace__V1__TraceChunk* c, uint64_t written, uint64_t limit, double start_unix,
+                     char* why, size_t whylen) {
+  uint64_t t = 0;
+  for (size_t i = 0; i < c->n_dt_ns; i++) {
+    if (__builtin_add_overflow(t, c->dt_ns[i], &t)) {
+      snprintf(why, whylen, "event times overflow 64 bits of nanoseconds");
+      return false;
+    }
+  }
+  /* Within a chunk times only grow: its last event is its latest. */
+  if (t > written) {
+    snprintf(why, whylen, "an event at %.3f s, later than the file was being written (%.3f s from its header's"
+             " start to its last change)", (double)t * 1e-9, file_end_unix - start_unix);
+    return false;
+  }
+  if (t > limit) {
+    snprintf(why, whylen, "an event at %.3f s, past the trace's duration of %.3f s (its footer)", (double)t * 1e-9,
+             (double)(limit - DURATION_SLACK_NS) * 1e-9);
+    return false;
+  }
+  return true;
+}
+
 /* Calls fn for every valid chunk. Returns the bytes that were valid; on a
- * problem, fills why (and stops there). */
+ * problem, fills why (and stops there). limit: events later than this are
+ * a problem (the footer's duration and slack; UINT64_MAX before the
+ * footer is known). */
 typedef void (*chunk_fn)(const Hakmem__Trace__V1__TraceChunk* c, void* arg);
 
-static uint64_t walk(const uint8_t* base, uint64_t size, chunk_fn fn, void* arg, char* why, size_t whylen,
-                     int* footer_seen) {
+static uint64_t walk(const uint8_t* base, uint64_t size, uint64_t limit, chunk_fn fn, void* arg, char* why,
+                     size_t whylen, int* footer_seen) {
   why[0] = 0;
   *footer_seen = 0;
   if (size < 8 || memcmp(base, MAGIC, 8) != 0) {
     snprintf(why, whylen, "not a hakmem trace (no HKTRACE1 magic)");
     return 0;
   }
-  uint64_t off = 8, seq = 0;
+  uint64_t off = 8, seq = 0, written = UINT64_MAX;
+  double start_unix = 0;
   while (off < size) {
     uint64_t len;
     int vl = get_varint(base + off, base + size, &len);
@@ -177,8 +238,17 @@ static uint64_t walk(const uint8_t* base, uint64_t size, chunk_fn fn, void* arg,
       hakmem__trace__v1__trace_chunk__free_unpacked(c, NULL);
       return UINT64_MAX;   /* refused whatever --partial says */
     }
-    if (bad) {
-      snprintf(why, whylen, "%s", bad);
+    if (!bad && c->header) {
+      start_unix = c->header->start_unix;
+      written = written_ns(start_unix);
+    }
+    if (bad) snprintf(why, whylen, "%s", bad);
+    else if (c->footer && c->footer->duration_ns > written)
+      snprintf(why, whylen, "a duration of %.3f s in the footer, longer than the file was being written (%.3f s"
+               " from its header's start to its last change)", (double)c->footer->duration_ns * 1e-9,
+               file_end_unix - start_unix);
+    else times_ok(c, written, limit, start_unix, why, whylen);
+    if (why[0]) {
       hakmem__trace__v1__trace_chunk__free_unpacked(c, NULL);
       return off;
     }
@@ -198,6 +268,7 @@ static void count_chunk(const Hakmem__Trace__V1__TraceChunk* c, void* arg) {
     info.mode = (uint32_t)c->header->mode;
     snprintf(info.exe, sizeof info.exe, "%s", c->header->exe ? c->header->exe : "");
   }
+  if (c->footer) info.duration_ns = c->footer->duration_ns;
   *(uint64_t*)arg += c->n_op;
   for (size_t i = 0; i < c->n_op; i++)
     if (c->thread > info.threads) info.threads = c->thread;
@@ -220,42 +291,59 @@ static void fill_chunk(const Hakmem__Trace__V1__TraceChunk* c, void* arg) {
   }
 }
 
+/* A problem at byte `at`: the end, or with --partial where the replay stops. */
+static void cut_at(const char* why, uint64_t at) {
+  if (!partial || at <= 8) die(1, "%s: %s at byte %" PRIu64 "%s", trace_path, why, at,
+                               partial ? "" : " (--partial replays the chunks before it)");
+  info.partial = 1;
+  snprintf(info.cut_reason, sizeof info.cut_reason, "%s at byte %" PRIu64, why, at);
+}
+
 static void load_trace(void) {
-  int fd = open(trace_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) die(1, "%s: %s", trace_path, strerror(errno));
+  int fd = trace_fd;
+  if (fd < 0 && (fd = open(trace_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0)
+    die(1, "%s: %s", trace_path, strerror(errno));
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die(1, "%s: not a regular file", trace_path);
   info.file_bytes = (uint64_t)st.st_size;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  if (st.st_mtim.tv_sec < now.tv_sec || (st.st_mtim.tv_sec == now.tv_sec && st.st_mtim.tv_nsec < now.tv_nsec))
+    now = st.st_mtim;
+  file_end_unix = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
   const uint8_t* base = (const uint8_t*)"";
   if (st.st_size > 0) {
     base = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (base == MAP_FAILED) die(1, "%s: %s", trace_path, strerror(errno));
   }
-  close(fd);
-  char why[160];
+  if (fd != trace_fd) close(fd);
+  char why[200];
   int footer;
   uint64_t count = 0;
-  uint64_t valid = walk(base, info.file_bytes, count_chunk, &count, why, sizeof why, &footer);
+  uint64_t valid = walk(base, info.file_bytes, UINT64_MAX, count_chunk, &count, why, sizeof why, &footer);
   if (valid == UINT64_MAX) die(1, "%s: %s", trace_path, why);
-  if (why[0]) {
-    if (!partial || valid <= 8) die(1, "%s: %s at byte %" PRIu64 "%s", trace_path, why, valid,
-                                    partial ? "" : " (--partial replays the chunks before it)");
-    info.partial = 1;
-    snprintf(info.cut_reason, sizeof info.cut_reason, "%s at byte %" PRIu64, why, valid);
+  if (why[0]) cut_at(why, valid);
+  nev = count;
+  ev = map_zero(nev * sizeof *ev);
+  /* The footer's duration is known now: the second pass holds every event
+   * to it, and stops at the first chunk that comes later. */
+  uint64_t limit = UINT64_MAX, k = 0;
+  if (footer) limit = info.duration_ns > UINT64_MAX - DURATION_SLACK_NS ? UINT64_MAX
+                                                                         : info.duration_ns + DURATION_SLACK_NS;
+  uint64_t filled = walk(base, valid, limit, fill_chunk, &k, why, sizeof why, &footer);
+  if (filled < valid) {   /* not the end of what was valid: an event past the footer's duration */
+    cut_at(why, filled);
+    valid = filled;
   }
   info.valid_bytes = valid;
   info.has_footer = footer;
-  nev = count;
-  ev = map_zero(nev * sizeof *ev);
-  uint64_t k = 0;
-  walk(base, valid, fill_chunk, &k, why, sizeof why, &footer);
   nev = k;
   info.events = nev;
   if (st.st_size > 0) munmap((void*)base, (size_t)st.st_size);
 }
 
 /* ---- objects: addresses renamed by time order ----------------------------------- */
-static uint64_t* order;      /* event indices by (time, kind, file order) */
+static uint64_t* order;      /* event indices by (time, kind, file order): the replay's one order */
 
 static int kind_of(uint8_t op) {   /* frees first at equal times, then reallocs, then the rest */
   return op == OP_FREE ? 0 : op == OP_REALLOC ? 1 : op == OP_THREAD_EXIT ? 3 : 2;
@@ -338,13 +426,12 @@ static void rename_objects(void) {
     }
   }
   info.objects = (uint64_t)next;
-  munmap(order, nev * sizeof *order);
   munmap(map, cap * sizeof *map);
 }
 
 /* ---- the replay ------------------------------------------------------------------ */
 static _Atomic(void*)* objs;
-static uint64_t** thread_events;   /* per trace thread: event indices, file order */
+static uint64_t** thread_events;   /* per trace thread: event indices, in `order` */
 static uint64_t* thread_nev;
 static pthread_barrier_t start_bar;
 static uint64_t replay_t0;   /* CLOCK_MONOTONIC when the barrier opened */
@@ -381,14 +468,15 @@ static uint64_t gate_hold(void) {
 }
 
 static void open_gate(void) {
-  int fd = open(gate_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) die(2, "--gate %s: %s", gate_path, strerror(errno));
+  int fd = gate_fd;
+  if (fd < 0 && (fd = open(gate_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0)
+    die(2, "%s: %s", gate_what, strerror(errno));
   struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 1)
-    die(2, "--gate %s: not a regular file of at least one byte", gate_path);
+  if (fstat(fd, &st) != 0) die(2, "%s: %s", gate_what, strerror(errno));
+  if (!S_ISREG(st.st_mode) || st.st_size < 1) die(2, "%s: not a regular file of at least one byte", gate_what);
   void* m = mmap(NULL, 1, PROT_READ, MAP_SHARED, fd, 0);
-  if (m == MAP_FAILED) die(2, "--gate %s: %s", gate_path, strerror(errno));
-  close(fd);
+  if (m == MAP_FAILED) die(2, "%s: %s", gate_what, strerror(errno));
+  if (fd != gate_fd) close(fd);
   gate = m;
 }
 
@@ -509,14 +597,16 @@ static const char* parse_num(const char* s, uint64_t* v, const char* key) {
 static void load_policy(hk_policy_t* p) {
   hk_policy_get(p);
   if (!policy_path) return;
-  int fd = open(policy_path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) die(2, "%s: %s", policy_path, strerror(errno));
+  int fd = policy_fd;
+  if (fd < 0 && (fd = open(policy_path, O_RDONLY | O_CLOEXEC | O_NONBLOCK)) < 0)
+    die(2, "%s: %s", policy_path, strerror(errno));
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > (1 << 20))
     die(2, "%s: not a regular file of at most 1 MiB", policy_path);
   char* text = map_zero((size_t)st.st_size + 1);
-  if (read(fd, text, (size_t)st.st_size) != st.st_size) die(2, "%s: short read", policy_path);
-  close(fd);
+  /* From offset 0, whatever the descriptor's offset: every run reads it. */
+  if (pread(fd, text, (size_t)st.st_size, 0) != st.st_size) die(2, "%s: short read", policy_path);
+  if (fd != policy_fd) close(fd);
   const char* s = skip_ws(text);
   if (*s++ != '{') die(2, "%s: expected a JSON object", policy_path);
   for (s = skip_ws(s); *s != '}';) {
@@ -644,7 +734,7 @@ static void stats_flat(const hk_stats_t* s, uint64_t* proc, uint64_t* cls) {
 static int run_once(int out_fd) {
   /* Loading decodes the whole trace and touches its arrays: as much work
    * as a burst of the replay's, so it waits for the gate too. */
-  if (gate_path) open_gate();
+  if (gate_path || gate_fd >= 0) open_gate();
   if (gate && *gate) (void)gate_hold();
   load_trace();
   rename_objects();
@@ -658,7 +748,11 @@ static int run_once(int out_fd) {
   for (uint64_t i = 0; i < nev; i++) thread_nev[ev[i].thread]++;
   for (uint32_t t = 1; t <= nt; t++) thread_events[t] = map_zero(thread_nev[t] * sizeof(uint64_t));
   uint64_t* fill = map_zero((nt + 1) * sizeof *fill);
-  for (uint64_t i = 0; i < nev; i++) thread_events[ev[i].thread][fill[ev[i].thread]++] = i;
+  for (uint64_t k = 0; k < nev; k++) {
+    uint64_t i = order[k];
+    thread_events[ev[i].thread][fill[ev[i].thread]++] = i;
+  }
+  munmap(order, nev * sizeof *order);   /* as much as the lists: not the replay's memory */
   objs = map_zero(info.objects * sizeof *objs);
 
   run_t r;
@@ -868,18 +962,22 @@ static void print_text(run_t* runs, int n) {
 
 static void usage(FILE* f) {
   fprintf(f,
-    "usage: hakmem-replay [--policy FILE] [--repeat N] [--partial] [--touch pages|none] [--pace idle|none]\n"
-    "                     [--gate FILE] [--json] TRACE\n"
+    "usage: hakmem-replay [--policy FILE | --policy-fd N] [--repeat N] [--partial] [--touch pages|none]\n"
+    "                     [--pace idle|none] [--gate FILE | --gate-fd N] [--json] TRACE | --trace-fd N\n"
     "\n"
     "Replays an allocation trace (HAKMEM_TRACE, `hakmem trace record`) through hakmem under a fixed\n"
     "policy and reports time, peak resident memory, page faults, OS calls and the allocator's counters.\n"
-    "Threads run as recorded and cross-thread frees stay cross-thread. Events run back to back but for\n"
-    "the trace's idle gaps (see --pace). Each run is a fresh process, with no HAKMEM_* variable of the\n"
-    "caller's environment (the policy is --policy's) and no telemetry.\n"
+    "Threads run as recorded, each its own events in time order, and cross-thread frees stay\n"
+    "cross-thread. Events run back to back but for the trace's idle gaps (see --pace), none later than\n"
+    "the trace lasted. Each run is a fresh process, with no HAKMEM_* variable of the caller's\n"
+    "environment (the policy is --policy's) and no telemetry; the replay and its runs die with the\n"
+    "process that started them.\n"
     "\n"
     "  --policy FILE   knobs as JSON: {\"drain_ms\": N, \"tcache_cap\": N or [per class], \"tcache_batch\": ...,\n"
     "                  \"warm_slabs\": ...}; a single per-class value applies to every class, fitted into\n"
     "                  its bounds; absent knobs keep the default (default: the default policy)\n"
+    "  --policy-fd N   the same from descriptor N, open and inherited (a regular file: a memfd counts),\n"
+    "                  read from offset 0; named \"descriptor N\" in messages\n"
     "  --repeat N      N runs (1-%d), each in a fresh process; medians and spreads over them\n"
     "  --partial       replay the complete chunks before a cut or damaged one instead of refusing\n"
     "  --touch MODE    pages (default): write each new object's first bytes and a byte per 4 KiB page;\n"
@@ -891,10 +989,35 @@ static void usage(FILE* f) {
     "                  (hakmem-learnd's screening: the traced program is running); between events each\n"
     "                  thread waits while it is, at most 2 s at a time, and the waits are kept out of the\n"
     "                  pacing, the mean resident memory and the slow-path time (held_s reports them)\n"
+    "  --gate-fd N     the same from descriptor N, open and inherited, mapped read-only and shared\n"
     "  --json          one JSON document on stdout\n"
+    "  --trace-fd N    the trace from descriptor N instead of TRACE: open and inherited (a regular\n"
+    "                  file: a memfd counts), read from offset 0 and never reopened by a name; named\n"
+    "                  \"descriptor N\" in messages and in the JSON's \"path\"\n"
+    "\n"
+    "An event later than the trace's footer says it lasted (+1 s), or later than its file was being\n"
+    "written (from its header's start to its last change, +60 s, which also bounds the footer's\n"
+    "duration), is damage like any other.\n"
     "\n"
     "Exit status: 0 replayed; 1 the trace cannot be replayed (one line says why, with the byte offset);\n"
-    "2 bad usage or policy.\n", MAX_REPEAT);
+    "2 bad usage or policy, or a descriptor that is not an open regular file.\n", MAX_REPEAT);
+}
+
+/* N of --trace-fd N and the like. */
+static int parse_fd(const char* opt, const char* s) {
+  char* end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end || errno || v < 0 || v > INT_MAX) die(2, "%s: expected a descriptor number, not '%s'", opt, s);
+  return (int)v;
+}
+
+/* A descriptor passed for a file: said at once, before any run, if it is
+ * not an open regular file (a pipe could not be read twice, nor mapped). */
+static void check_fd(const char* opt, int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) die(2, "%s %d: %s", opt, fd, strerror(errno));
+  if (!S_ISREG(st.st_mode)) die(2, "%s %d: not a regular file", opt, fd);
 }
 
 int main(int argc, char** argv) {
@@ -917,6 +1040,12 @@ int main(int argc, char** argv) {
       else die(2, "--pace: expected idle or none, not '%s'", m);
     } else if (!strcmp(a, "--gate") && i + 1 < argc) {
       gate_path = argv[++i];
+    } else if (!strcmp(a, "--gate-fd") && i + 1 < argc) {
+      gate_fd = parse_fd(a, gate_fd_arg = argv[++i]);
+    } else if (!strcmp(a, "--policy-fd") && i + 1 < argc) {
+      policy_fd = parse_fd(a, policy_fd_arg = argv[++i]);
+    } else if (!strcmp(a, "--trace-fd") && i + 1 < argc) {
+      trace_fd = parse_fd(a, trace_fd_arg = argv[++i]);
     } else if (!strcmp(a, "--repeat") && i + 1 < argc) {
       char* end;
       long v = strtol(argv[++i], &end, 10);
@@ -927,9 +1056,32 @@ int main(int argc, char** argv) {
     else if (!trace_path) trace_path = a;
     else die(2, "one trace at a time ('%s' and '%s')", trace_path, a);
   }
-  if (!trace_path) die(2, "no trace given (see --help)");
+  /* Dies with its parent (a run is set so by the replay before its exec,
+   * which keeps it). The parent seen before the prctl is the one watched:
+   * one gone in between was never watched, so the check. */
+  if (run_fd < 0) {
+    pid_t parent = getppid();
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) return 1;
+  }
+  if (trace_path && trace_fd >= 0) die(2, "a TRACE path and --trace-fd %d: give one, not both", trace_fd);
+  if (policy_path && policy_fd >= 0) die(2, "--policy and --policy-fd: give one, not both");
+  if (gate_path && gate_fd >= 0) die(2, "--gate and --gate-fd: give one, not both");
+  if (!trace_path && trace_fd < 0) die(2, "no trace given (see --help)");
+  if (trace_fd >= 0) {
+    check_fd("--trace-fd", trace_fd);
+    snprintf(trace_label, sizeof trace_label, "descriptor %d", trace_fd);
+    trace_path = trace_label;
+  }
+  if (policy_fd >= 0) {
+    check_fd("--policy-fd", policy_fd);
+    snprintf(policy_label, sizeof policy_label, "descriptor %d", policy_fd);
+    policy_path = policy_label;
+  }
+  if (gate_fd >= 0) snprintf(gate_what, sizeof gate_what, "--gate-fd %d", gate_fd);
+  else if (gate_path) snprintf(gate_what, sizeof gate_what, "--gate %s", gate_path);
   if (run_fd >= 0) return run_once(run_fd);
-  if (gate_path) open_gate();   /* a bad gate is a usage error, said before any run */
+  if (gate_path || gate_fd >= 0) open_gate();   /* a bad gate is a usage error, said before any run */
+  pid_t self = getpid();
 
   run_t* runs = map_zero((size_t)repeat * sizeof *runs);
   for (int k = 0; k < repeat; k++) {
@@ -938,20 +1090,25 @@ int main(int argc, char** argv) {
     pid_t pid = fork();
     if (pid < 0) die(1, "fork: %s", strerror(errno));
     if (pid == 0) {
+      /* The run dies with the replay (the setting survives its exec). */
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != self) _exit(127);
       char fdbuf[16];
       snprintf(fdbuf, sizeof fdbuf, "%d", pfd[1]);
       fcntl(pfd[1], F_SETFD, 0);
-      char* args[16];
+      char* args[20];
       int n = 0;
       args[n++] = argv[0];
       args[n++] = "--run-fd";
       args[n++] = fdbuf;
-      if (policy_path) { args[n++] = "--policy"; args[n++] = (char*)policy_path; }
+      if (policy_fd >= 0) { args[n++] = "--policy-fd"; args[n++] = (char*)policy_fd_arg; }
+      else if (policy_path) { args[n++] = "--policy"; args[n++] = (char*)policy_path; }
       if (partial) args[n++] = "--partial";
       if (!touch_pages) { args[n++] = "--touch"; args[n++] = "none"; }
       if (!pace_idle) { args[n++] = "--pace"; args[n++] = "none"; }
-      if (gate_path) { args[n++] = "--gate"; args[n++] = (char*)gate_path; }
-      args[n++] = (char*)trace_path;
+      if (gate_fd >= 0) { args[n++] = "--gate-fd"; args[n++] = (char*)gate_fd_arg; }
+      else if (gate_path) { args[n++] = "--gate"; args[n++] = (char*)gate_path; }
+      if (trace_fd >= 0) { args[n++] = "--trace-fd"; args[n++] = (char*)trace_fd_arg; }
+      else args[n++] = (char*)trace_path;
       args[n] = NULL;
       /* A run is the policy it was given, nothing else: no HAKMEM_* from
        * the caller's environment (a knob there would change "default"; a

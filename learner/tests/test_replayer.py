@@ -2,15 +2,22 @@
 real allocator gives back exactly the operations it holds, threads and
 cross-thread frees included; runs repeat in fresh processes; a policy changes
 what the allocator does; bad traces are refused in one line with the byte
-offset, or replayed up to the damage with --partial."""
+offset, or replayed up to the damage with --partial; a hostile trace cannot
+hold it (idle waits bounded by the trace's own duration, no wait cycle
+between threads), and it dies with its parent; the trace, policy and gate
+may come as inherited descriptors."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import BUILD, clean_env, scaled
+from conftest import BUILD, clean_env, scaled, wait_for
 from hakmem import layout as L
 from hakmem.trace import ALIGNED, CALLOC, FREE, MALLOC, REALLOC, THREAD_EXIT, TraceWriter
 
@@ -23,16 +30,16 @@ def _built():
         pytest.fail(f"{REPLAY} missing: `make tests` builds it")
 
 
-def replay(*args, check=True):
+def replay(*args, check=True, timeout=60, pass_fds=()):
     r = subprocess.run([str(REPLAY), *map(str, args)], capture_output=True, text=True,
-                       timeout=scaled(60), env=clean_env())
+                       timeout=scaled(timeout), env=clean_env(), pass_fds=pass_fds)
     if check and r.returncode != 0:
         raise AssertionError(f"hakmem-replay exit {r.returncode}: {r.stderr}")
     return r
 
 
-def replay_json(*args):
-    return json.loads(replay("--json", *args).stdout)
+def replay_json(*args, **kw):
+    return json.loads(replay("--json", *args, **kw).stdout)
 
 
 def handoff_trace(path, n=2000, size=64, layout_version=None):
@@ -355,3 +362,284 @@ def test_a_gate_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, kind
     r = replay("--gate", gate, tr, check=False)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "--gate" in r.stderr, r.stderr
+
+
+# ---- a hostile trace cannot hold the replayer (issue 36) ---------------------------
+def chunk_offsets(path):
+    """The byte offset of each chunk, the header's first."""
+    data, off, out = path.read_bytes(), 8, []
+    while off < len(data):
+        out.append(off)
+        n = shift = 0
+        while True:
+            b = data[off]
+            off += 1
+            n |= (b & 0x7f) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        off += n
+    return out
+
+
+FAR = 1 << 62   # ns: 146 years
+
+
+def far_trace(path, *, t=FAR, footer=True, duration_ns=None, start_unix=None, started=5):
+    """One thread: a malloc at 1 us in one chunk, its free at t in the
+    next (chunk 2); the header says the capture began `started` s ago."""
+    w = TraceWriter(path, pid=1, exe="/usr/bin/far",
+                    start_unix=time.time() - started if start_unix is None else start_unix)
+    w.chunk(1, [(MALLOC, 64, 0, 0x1000, 0, 1000)])
+    w.chunk(1, [(FREE, 0, 0, 0x1000, 0, t)])
+    w.close(footer=footer, duration_ns=duration_ns)
+    return chunk_offsets(path)
+
+
+def test_an_event_past_the_footers_duration_is_refused(tmp_path):
+    """Before: an event 30 s in, in a trace whose footer says it lasted
+    2 ms, passed every check and --pace idle waited for it (the test's 20 s
+    ran out; 2^62 ns waited 146 years). Now the trace's own duration bounds
+    every wait: an event past the footer's duration (+1 s) is refused at its
+    chunk."""
+    tr = tmp_path / "far.trace"
+    offs = far_trace(tr, t=30_000_000_000, duration_ns=2_000_000, started=100)
+    r = replay(tr, check=False, timeout=20)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "past the trace's duration" in r.stderr and f"at byte {offs[2]}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("started", ["5 s ago", "unset"])
+def test_events_2_to_the_62_ns_apart_are_refused(tmp_path, started):
+    """A footer that says the trace lasted as long as its events do (2^62 ns)
+    is no bound: no event may come later than the file was being written,
+    from its header's start (unset: 1970) to its last change, +60 s. Before:
+    slept for 146 years (the test's 20 s ran out)."""
+    tr = tmp_path / "far.trace"
+    offs = far_trace(tr, start_unix=None if started == "5 s ago" else 0)   # footer: FAR
+    r = replay(tr, check=False, timeout=20)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "later than the file was being written" in r.stderr and f"at byte {offs[2]}" in r.stderr, r.stderr
+
+
+def test_a_footer_longer_than_its_file_was_written_is_refused(tmp_path):
+    """The footer's duration, the bound of every wait, is bounded the same
+    way: refused at the footer. Before: taken (exit 0), though no capture
+    could have lasted 146 years in a file written for 5 s."""
+    tr = tmp_path / "long.trace"
+    offs = far_trace(tr, t=2000, duration_ns=FAR)
+    r = replay(tr, check=False, timeout=20)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "longer than the file was being written" in r.stderr and f"at byte {offs[-1]}" in r.stderr, r.stderr
+    d = replay_json("--partial", tr, timeout=20)     # the events before it are whole
+    assert d["trace"]["partial"] is True and d["trace"]["events"] == 2 and d["runs"][0]["ops"] == 2
+
+
+def test_a_trace_cut_before_its_footer_is_bounded_by_its_writing_time(tmp_path):
+    """No footer (--partial): the bound is the time from the header's start
+    to the file's last change. Before: refused only for its missing footer
+    (at the end of the file), and with --partial slept without bound."""
+    tr = tmp_path / "cut.trace"
+    offs = far_trace(tr, footer=False)
+    r = replay(tr, check=False, timeout=20)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "later than the file was being written" in r.stderr and f"at byte {offs[2]}" in r.stderr, r.stderr
+    d = replay_json("--partial", tr, timeout=20)
+    assert d["trace"]["partial"] is True and d["trace"]["valid_bytes"] == offs[2]
+    assert d["trace"]["events"] == 1 and d["runs"][0]["ops"] == 1
+
+
+def test_event_times_that_overflow_are_refused(tmp_path):
+    """dt_ns adding up past 2^64 wrapped to a small time and passed. Now the
+    sum is checked: refused at its chunk."""
+    from hakmem._pb import trace_pb2
+    from hakmem.trace import _varint
+    tr = tmp_path / "wrap.trace"
+    w = TraceWriter(tr, pid=1, exe="/usr/bin/wrap", start_unix=time.time() - 5)
+    c = trace_pb2.TraceChunk(thread=1, seq=1)
+    c.op.extend([MALLOC, FREE]); c.size.extend([64, 0]); c.align.extend([0, 0])
+    c.addr.extend([0x1000, 0x1000]); c.old_addr.extend([0, 0]); c.dt_ns.extend([1000, (1 << 64) - 500])
+    f = trace_pb2.TraceChunk(seq=2, footer=trace_pb2.Footer(events=2, chunks=2, threads=1, duration_ns=2000))
+    for chunk in (c, f):
+        data = chunk.SerializeToString()
+        w.f.write(_varint(len(data)) + data)
+    w.f.close()
+    r = replay(tr, check=False, timeout=20)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "overflow" in r.stderr and f"at byte {chunk_offsets(tr)[1]}" in r.stderr, r.stderr
+
+
+def test_threads_run_their_events_in_time_order_not_file_order(tmp_path):
+    """Each thread's second chunk restarts its times from 0, so in file
+    order thread 1 frees thread 2's objects before it makes its own, and
+    thread 2 the other way round: a cycle of waits (before: "replay stuck"
+    after some 80 s; the test's 20 s ran out). Objects are named in time
+    order; each thread now runs its events in that order too, so every wait
+    is for an earlier event."""
+    tr = tmp_path / "cycle.trace"
+    n, a, b = 50, 0x100000, 0x200000
+    w = TraceWriter(tr, pid=1, exe="/usr/bin/cycle")
+    w.chunk(1, [(FREE, 0, 0, b + 64 * i, 0, 10_000 + i) for i in range(n)])
+    w.chunk(2, [(FREE, 0, 0, a + 64 * i, 0, 10_000 + i) for i in range(n)])
+    w.chunk(1, [(MALLOC, 64, 0, a + 64 * i, 0, 100 + i) for i in range(n)])
+    w.chunk(2, [(MALLOC, 64, 0, b + 64 * i, 0, 100 + i) for i in range(n)])
+    w.close()
+    d = replay_json(tr, timeout=20)
+    t = d["trace"]
+    assert t["events"] == 4 * n and t["threads"] == 2 and t["objects"] == 2 * n and t["unmatched_frees"] == 0
+    run = d["runs"][0]
+    assert run["ops"] == 4 * n
+    c = run["counters"]
+    assert c["frees"] == c["allocs"] >= 2 * n
+
+
+def _stat(pid):
+    """(state, parent pid) of pid, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+    except OSError:
+        return None
+    fields = s[s.rindex(")") + 2:].split()
+    return fields[0], int(fields[1])
+
+
+def alive(pid):
+    st = _stat(pid)
+    return st is not None and st[0] not in "ZX"
+
+
+def children_of(pid):
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and (_stat(d) or ("", 0))[1] == pid]
+
+
+def test_the_replayer_dies_with_its_parent(tmp_path):
+    """Started in a session of its own (as the Python side starts it), the
+    replayer and its run outlived a killed parent (before: both still there
+    after the 2 s). Now both die with their parent (PR_SET_PDEATHSIG)."""
+    tr = tmp_path / "long.trace"
+    w = TraceWriter(tr, pid=1, exe="/usr/bin/long", start_unix=time.time() - 40)
+    w.chunk(1, [(MALLOC, 64, 0, 0x1000, 0, 1000), (FREE, 0, 0, 0x1000, 0, 30_000_000_000)])   # 30 s idle
+    w.close()
+    parent = ("import subprocess, sys, time\n"
+              "p = subprocess.Popen(sys.argv[1:], start_new_session=True)\n"
+              "print(p.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    mid = subprocess.Popen([sys.executable, "-c", parent, str(REPLAY), str(tr)], stdout=subprocess.PIPE,
+                           text=True, env=clean_env())
+    pids = []
+    try:
+        pids.append(int(mid.stdout.readline()))
+        pids += wait_for(lambda: children_of(pids[0]), 10, "the replayer's run")
+        mid.kill()
+        mid.wait()
+        wait_for(lambda: not any(alive(p) for p in pids), 2,
+                 lambda: f"the replayer and its run to die with their parent ({[p for p in pids if alive(p)]} live)")
+    finally:
+        if mid.poll() is None:
+            mid.kill()
+            mid.wait()
+        for p in pids:
+            if alive(p):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+
+
+# ---- descriptors instead of paths (learnd's private copies) -----------------------------
+def fd_holding(tmp_path, kind, data):
+    """A descriptor of a file that no name leads to (a memfd, or a file
+    unlinked once open), holding data; its offset left at the end."""
+    if kind == "memfd":
+        fd = os.memfd_create("hakmem-test")
+    else:
+        p = tmp_path / f"unlinked-{len(os.listdir(tmp_path))}"
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(p)
+    os.write(fd, data)
+    return fd
+
+
+@pytest.mark.parametrize("kind", ["memfd", "unlinked"])
+def test_trace_policy_and_gate_by_descriptor(tmp_path, kind):
+    """--trace-fd, --policy-fd, --gate-fd: the same replay as from paths,
+    read from offset 0 whatever the descriptor's offset, and inherited by
+    every run (--repeat 2). The trace is named "descriptor N"."""
+    tr = tmp_path / "h.trace"
+    events = handoff_trace(tr)
+    fds = [fd_holding(tmp_path, kind, tr.read_bytes()),
+           fd_holding(tmp_path, kind, b'{"tcache_cap": 1, "tcache_batch": 1}'),
+           fd_holding(tmp_path, kind, b"\0")]
+    tfd, pfd, gfd = fds
+    try:
+        d = replay_json("--repeat", 2, "--trace-fd", tfd, "--policy-fd", pfd, "--gate-fd", gfd, pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    t = d["trace"]
+    assert t["path"] == f"descriptor {tfd}" and t["events"] == events and t["unmatched_frees"] == 1
+    assert d["policy"]["tcache_cap"][4] == 1
+    assert [r["ops"] for r in d["runs"]] == [events - 3] * 2
+    assert all(r["held_s"] == 0 for r in d["runs"])
+    usage = replay("--help").stdout
+    assert all(o in usage for o in ("--trace-fd N", "--policy-fd N", "--gate-fd N")), usage
+
+
+def test_a_gate_descriptor_holds_the_replay(tmp_path):
+    """The gate read through its descriptor is the gate's file itself
+    (mapped shared): a byte written to it later opens the gate."""
+    tr = tmp_path / "gap.trace"
+    gap_trace(tr)
+    gfd = fd_holding(tmp_path, "memfd", b"\1")
+    p = subprocess.Popen([str(REPLAY), "--json", "--gate-fd", str(gfd), str(tr)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=clean_env(), pass_fds=(gfd,))
+    try:
+        time.sleep(0.7)      # the stimulus: long enough for an unheld replay to be done
+        assert p.poll() is None, "a closed gate held nothing: " + p.stderr.read()
+        os.pwrite(gfd, b"\0", 0)
+        out, err = p.communicate(timeout=scaled(30))
+    finally:
+        os.close(gfd)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert json.loads(out)["runs"][0]["ops"] == 200
+
+
+@pytest.mark.parametrize("option", ["--trace-fd", "--policy-fd", "--gate-fd"])
+@pytest.mark.parametrize("kind", ["pipe", "directory", "closed"])
+def test_a_descriptor_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, option, kind):
+    """Exit status 2 (usage), before any run, one line naming the option
+    and the descriptor."""
+    tr = tmp_path / "h.trace"
+    handoff_trace(tr, n=10)
+    keep = []
+    if kind == "pipe":
+        fd, w = os.pipe()
+        keep = [fd, w]
+    elif kind == "directory":
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        keep = [fd]
+    else:
+        fd = 250      # not open in the replayer (subprocess closes what is not passed)
+    try:
+        r = replay(option, fd, *([] if option == "--trace-fd" else [tr]), check=False,
+                   pass_fds=keep[:1])
+    finally:
+        for k in keep:
+            os.close(k)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.count("\n") == 1 and f"{option} {fd}: " in r.stderr, r.stderr
+    assert ("Bad file descriptor" if kind == "closed" else "not a regular file") in r.stderr, r.stderr
+
+
+def test_a_trace_path_and_a_trace_descriptor_are_one_too_many(tmp_path):
+    tr = tmp_path / "h.trace"
+    handoff_trace(tr, n=10)
+    fd = os.open(tr, os.O_RDONLY)
+    try:
+        r = replay("--trace-fd", fd, tr, check=False, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--trace-fd" in r.stderr and "not both" in r.stderr, r.stderr

@@ -23,7 +23,7 @@ from ._pb import hakmem_pb2 as pb
 from .config import ConfigError, parse_users, users_text
 from .control import (ORIGIN_FROM_PB, ControlError, knobs_from_pb, policy_to_pb, process_to_pb,
                       program_to_pb)
-from .learning import KNOB_KEYS, canonical
+from .learning import canonical
 from .procfs import proc_start_time
 from .ring import shm_dir as _default_shm_dir
 from .store import Store
@@ -44,6 +44,9 @@ def check_export(f: pb.PolicyExport) -> None:
         raise ControlError("no program identity (exe and build id)")
     if len(f.class_size) != L.NUM_CLASSES:
         raise ControlError(f"its class table has {len(f.class_size)} classes, this hakmem has {L.NUM_CLASSES}")
+    sizes = list(f.class_size)[1:]
+    if any(a <= 0 or b <= a for a, b in zip(sizes, sizes[1:])) or sizes[0] <= 0:
+        raise ControlError("its class table is not a list of increasing sizes")
     if not f.HasField("policy") or not f.policy.HasField("knobs"):
         raise ControlError("no policy in it")
     if f.policy.origin not in ORIGIN_FROM_PB:
@@ -55,6 +58,22 @@ def check_export(f: pb.PolicyExport) -> None:
         raise ControlError("incomplete: no export time or host (truncated?)")
     if f.format >= 2 and not (f.users and f.users_names):
         raise ControlError("incomplete: no users (truncated?)")
+
+
+def checked_knobs(knobs, class_size) -> dict:
+    """knobs (canonical) when the allocator would take them up in a program
+    with this class table; else ControlError naming the first knob out of
+    its bounds, from each knob's one definition (knobs.Bounds.for_class_sizes),
+    as the allocator rejects such a policy whole (options.c policy_valid)."""
+    from .knobs import Bounds, Knobs, KnobsError
+    try:
+        k = Knobs.of(knobs)
+        k.check(Bounds.for_class_sizes(class_size), list(class_size))
+    except KnobsError as e:
+        raise ControlError(f"knobs: {e}; the allocator would refuse this policy, nothing was stored") from None
+    except (TypeError, ValueError) as e:
+        raise ControlError(f"knobs: {e}; nothing was stored") from None
+    return k.to_dict()
 
 
 def read_export(data: bytes, name: str) -> pb.PolicyExport:
@@ -185,13 +204,13 @@ class StoreBackend:
                 knobs = canonical(knobs)
             except (KeyError, ValueError, TypeError) as e:
                 raise ControlError(f"knobs: {e}") from None
-            bad = [k for k in KNOB_KEYS for x in (knobs[k] if isinstance(knobs[k], list) else [knobs[k]])
-                   if not 0 <= x < 2**32]
-            if bad:
-                raise ControlError(f"knobs: {bad[0]} has a value outside 0..2^32-1")
+            knobs = checked_knobs(knobs, prog["class_sizes"])
             pol_id = self.store.policy(prog["id"], knobs, "pinned", note=note or None)
         else:
-            pol_id = self.store.policy_by_version(prog["id"], version)["id"]
+            row = self.store.policy_by_version(prog["id"], version)
+            # A version stored by an earlier hakmem that took any value.
+            checked_knobs(row["knobs"], prog["class_sizes"])
+            pol_id = row["id"]
         self.store.pin(prog["id"], pol_id)
         row = self.store.policy_by_id(pol_id)
         self.on_pin(self.store.program_by_id(prog["id"]), row)
@@ -224,6 +243,7 @@ class StoreBackend:
         except ControlError as e:
             raise ControlError(f"not a hakmem policy file ({e})") from None
         knobs = knobs_from_pb(file.policy.knobs)
+        checked_knobs(knobs, list(file.class_size))
         if not users and not file.users:
             raise ControlError("the file does not say whose program it was (made by a hakmem that learned "
                                "per program, not per user); name the users here with --users")

@@ -56,6 +56,36 @@ def default_batch(cap: int, batch_max: int | None = None) -> int:
     return max(_BATCH_RULE["lo"], min(int(cap) // _BATCH_RULE["div"], top))
 
 
+# The allocator's slab geometry (allocator/src/types.h HK_PAGE_SHIFT and
+# HK_SLAB_MAX_PAGES, classes.c _hk_classes_init): a warm pool's bound is a
+# number of slabs, so it depends on each class's slab size. test_layout.py
+# checks the bounds computed from these against every class's bound a live
+# process publishes in its header.
+PAGE_BYTES = 1 << 16
+SLAB_MAX_PAGES = 16
+
+
+def slab_bytes(size: int) -> int:
+    """The slab size of a class of `size`-byte blocks: the fewest pages
+    holding at least 8 blocks up to 64 KiB (4 up to 128 KiB, else 1) with
+    at most 1/8 of the slab wasted at its end."""
+    size = int(size)
+    want = 8 if size <= 65536 else 4 if size <= 131072 else 1
+    for k in range(1, SLAB_MAX_PAGES + 1):
+        b = k * PAGE_BYTES
+        if b // size >= want and (b % size) * 8 <= b:
+            return b
+    return -(-size // PAGE_BYTES) * PAGE_BYTES
+
+
+def _max_of(rule, size: int, slab: int) -> int:
+    """A knob's "max" rule (schemas/shm_layout.json knobs_about) for one class."""
+    if not isinstance(rule, dict):
+        return int(rule)
+    per = size if rule["per"] == "block" else slab
+    return max(int(rule["lo"]), min(int(rule["worth"]) // max(per, 1), int(rule["hi"])))
+
+
 class KnobsError(ValueError):
     """Knobs of the wrong shape, or a value out of bounds, in one line."""
 
@@ -215,6 +245,25 @@ class Bounds:
     per-class knob), as a process publishes them in its ring header."""
     lo: Mapping[str, int]
     hi: Mapping[str, Any]              # int, or a tuple per class
+
+    @classmethod
+    def for_class_sizes(cls, class_size) -> "Bounds":
+        """The bounds this hakmem's allocator applies to a program with this
+        class table, from each knob's one definition (the layout's "max"
+        rules) and the slab geometry: what a policy must fit to be taken up,
+        known without a live process (import, pin)."""
+        lo, hi = {}, {}
+        for name in NAMES:
+            lo[name] = int(SPEC[name]["min"])
+            rule = SPEC[name]["max"]
+            if name in PER_CLASS and not isinstance(rule, dict):      # one bound for every class
+                hi[name] = (int(rule),) * L.NUM_CLASSES
+            elif name in PER_CLASS:
+                hi[name] = (0,) + tuple(_max_of(rule, int(sz), slab_bytes(sz)) if int(sz) > 0 else 0
+                                        for sz in list(class_size)[1:])
+            else:
+                hi[name] = _max_of(rule, 16, PAGE_BYTES)
+        return cls(lo=lo, hi=hi)
 
     @classmethod
     def from_header(cls, header: Mapping) -> "Bounds":

@@ -363,7 +363,7 @@ class Ring:
 def parse_assignment(pol, text, header):
     """Applies one `key=value` to pol. Keys: drain_ms; tcache_cap, tcache_batch,
     warm_slabs for every class; knob[N] for class N; knob@SIZE for the class
-    serving SIZE bytes."""
+    serving SIZE bytes. Returns (knob, the classes it set)."""
     if "=" not in text:
         raise RingError(f"expected key=value, got {text!r}")
     key, val = text.split("=", 1)
@@ -379,7 +379,7 @@ def parse_assignment(pol, text, header):
         if cls or size:
             raise RingError(f"{name} is per process, not per class")
         pol[name] = value
-        return
+        return name, []
     if name not in PER_CLASS:
         raise RingError(f"unknown knob {name!r} (knobs: {', '.join((*PER_PROCESS, *PER_CLASS))})")
     sizes = header["class_size"]
@@ -396,6 +396,42 @@ def parse_assignment(pol, text, header):
         classes = range(1, L.NUM_CLASSES)
     for c in classes:
         pol[name][c] = value
+    return name, list(classes)
+
+
+def fit_batches(pol, before, named, header) -> list[tuple[int, int, int]]:
+    """After `set-policy` changed some classes' tcache_cap without naming
+    their tcache_batch: each such batch goes with its new capacity, as the
+    allocator's own start-up path (HAKMEM_TCACHE_CAP alone) fits it: a batch
+    that followed the default rule (half the capacity) follows it still, and
+    one that no longer fits (larger than the capacity) is cut to it. Without
+    this, `tcache_cap@64=77` was refused whole for a batch the user never
+    named. Returns (class, old batch, new batch) for each one changed."""
+    from .knobs import default_batch
+    bmax = int(header["batch_max"])
+    out = []
+    for c in sorted(set(named.get("tcache_cap", ())) - set(named.get("tcache_batch", ()))):
+        cap, old = int(pol["tcache_cap"][c]), int(pol["tcache_batch"][c])
+        if old == default_batch(int(before["tcache_cap"][c]), bmax):
+            new = default_batch(cap, bmax)
+        elif old > max(cap, 1):
+            new = max(cap, 1)
+        else:
+            continue
+        if new != old:
+            pol["tcache_batch"][c] = new
+            out.append((c, old, new))
+    return out
+
+
+def batches_note(fitted, pol, class_size) -> str:
+    """One line saying what fit_batches changed."""
+    if len(fitted) == 1:
+        c, a, b = fitted[0]
+        return (f"note: tcache_batch[{c}] ({int(class_size[c])} B) {a} -> {b}, to go with its new capacity "
+                f"{pol['tcache_cap'][c]} (name tcache_batch to set it yourself)")
+    return (f"note: tcache_batch changed in {len(fitted)} classes to go with their new capacities (half of "
+            f"each, or at most it; name tcache_batch to set it yourself)")
 
 
 # ---- windows and rates -------------------------------------------------------

@@ -71,8 +71,13 @@ def test_pin_refuses_knobs_the_allocator_cannot_take(backend):
         backend.pin("fakeprog", 0, bad, "")
     neg = canonical(knobs())
     neg["warm_slabs"][4] = -1
-    with pytest.raises(ControlError, match="warm_slabs has a value outside"):
+    with pytest.raises(ControlError, match=r"warm_slabs\[4\]=-1 \(class 64 B\) is outside"):
         backend.pin("fakeprog", 0, neg, "")
+    over = canonical(knobs())
+    over["tcache_batch"][4] = over["tcache_cap"][4] + 1          # under 2^32, over its capacity
+    with pytest.raises(ControlError, match=r"tcache_batch\[4\]=\d+ \(class 64 B\) is outside 1\.\.\d+ \(at most the "
+                                           r"capacity\); the allocator would refuse this policy, nothing was stored"):
+        backend.pin("fakeprog", 0, over, "")
     assert backend.calls == [] and [p.version for p in backend.policies("fakeprog")] == [1, 2]
 
 

@@ -860,8 +860,13 @@ def test_pin_knobs_through_the_backend(db):
             b.pin("fakeprog", 0, bad, "")
         neg = canonical(DEFAULT)
         neg["warm_slabs"][4] = -1
-        with pytest.raises(ControlError, match="warm_slabs has a value outside"):
+        with pytest.raises(ControlError, match=r"warm_slabs\[4\]=-1 \(class 64 B\) is outside 0\.\.1024"):
             b.pin("fakeprog", 0, neg, "")
+        big = canonical(DEFAULT)
+        big["drain_ms"] = 2**32 - 1
+        with pytest.raises(ControlError, match="drain_ms=4294967295 is outside 0..3600000; the allocator would "
+                                               "refuse this policy, nothing was stored"):
+            b.pin("fakeprog", 0, big, "")
         with pytest.raises(ControlError, match="one of the two"):
             b.pin("fakeprog", 2, canonical(DEFAULT), "")
         p = b.pin("fakeprog", 0, canonical(DEFAULT), "")          # the default's knobs: the stored v1

@@ -104,3 +104,24 @@ def test_no_field_overlaps():
             assert a1 <= b0, f"{struct}: {an} overlaps {bn}"
         assert spans[-1][1] <= dt.itemsize
         assert np.dtype(dt).itemsize == dt.itemsize
+
+
+def test_the_bounds_import_and_pin_check_are_the_allocators(shm):
+    """import and `pin --set` check knobs without a live process
+    (knobs.Bounds.for_class_sizes: each knob's "max" rule and the slab
+    geometry of classes.c); a live process publishes the bounds it applies
+    in its header. They must be the same for every class, and the class
+    table the same as trace.default_class_sizes."""
+    from conftest import ring_path, scaled, start
+    from hakmem.knobs import Bounds
+    from hakmem.ring import Ring
+    from hakmem.trace import default_class_sizes
+    w = start(["burst", 64, 100, scaled(1)], shm)
+    try:
+        with Ring(ring_path(shm, w.pid)) as r:
+            h = r.header()
+    finally:
+        w.communicate(timeout=scaled(30))
+    sizes = [int(x) for x in h["class_size"]]
+    assert sizes[1:] == default_class_sizes()[1:]
+    assert Bounds.for_class_sizes(sizes) == Bounds.from_header(h)

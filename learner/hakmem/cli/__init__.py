@@ -18,7 +18,7 @@ import importlib
 import sys
 
 from .. import __version__
-from .common import _Usage, _fail
+from .common import Printable, _Usage, _fail
 
 
 class _Parser(argparse.ArgumentParser):
@@ -333,6 +333,7 @@ def main(argv=None):
     # the ring (the tests and the bench runner start many `hakmem ring`).
     module, name = args.func
     mod = importlib.import_module(f"{__name__}.{module}")
+    sys.stdout = Printable(sys.stdout)
     try:
         return getattr(mod, name)(args)
     except _Usage as e:

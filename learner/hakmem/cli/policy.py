@@ -1,14 +1,16 @@
 """`hakmem policy ...`: list, show, compare, pin, unpin, export and import
 programs' policies, through hakmem-learnd or its database (learnd.py)."""
 import contextlib
+import copy
 import os
 import sys
 
+from .. import knobs as K
 from .. import layout as L
 from ..backend import read_export
 from ..config import users_names
 from ..control import ControlError, knobs_from_pb, to_dict
-from ..ring import parse_assignment
+from ..ring import batches_note, fit_batches, parse_assignment
 from .common import _Usage, _out_json, _table, _when
 from .learnd import (ERRORS, _backend, _default_policy, _flags, _label, _not_running_note, _objective, _origin,
                      _program_of)
@@ -164,13 +166,20 @@ def cmd_policy_pin(args):
                                    f"default when it first sees the program); pin a version")
             prog = _program_of(b, start.program)
             knobs = knobs_from_pb(start.knobs)
+            before = copy.deepcopy(knobs)
+            header = {"class_size": list(prog.class_size), "batch_max": K.SPEC["tcache_batch"]["max"]}
+            named: dict[str, set] = {}
             for a in args.assignments:
-                parse_assignment(knobs, a, {"class_size": list(prog.class_size)})
+                name, classes = parse_assignment(knobs, a, header)
+                named.setdefault(name, set()).update(classes)
+            fitted = fit_batches(knobs, before, named, header)
             note = args.note or f"v{start.version} with {' '.join(args.assignments)}"
             p = b.pin(args.program, 0, knobs, note)
     if args.json:
         _out_json(to_dict(p))
     else:
+        if not args.version and fitted:
+            print(batches_note(fitted, knobs, header["class_size"]))
         print(f"pinned v{p.version} ({_origin(p)}) of {_label(p.program)}; {_applied_when(running)}")
     return 0
 

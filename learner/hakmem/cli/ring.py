@@ -1,5 +1,6 @@
 """`hakmem ring ...`: read a process's telemetry file, write its policy
 snapshot, hold the directory's lease, watch every ring."""
+import copy
 import json
 import os
 import signal
@@ -9,7 +10,7 @@ import time
 from .. import layout as L
 from .. import ring as ring_mod
 from ..lease import Lease, LeaseError, LeaseHeld
-from ..ring import REJECT_REASONS, Ring, RingError, list_files, parse_assignment, resolve, window
+from ..ring import REJECT_REASONS, Ring, RingError, batches_note, fit_batches, list_files, parse_assignment, resolve, window
 from .common import _fail
 
 ERRORS = (RingError,)      # what main() reports as one line
@@ -161,16 +162,26 @@ def cmd_dump(args):
 def cmd_set_policy(args):
     with Ring(resolve(args.target, args.dir), writable=True) as ring:
         pol = ring.policy_in_force()
+        before = copy.deepcopy(pol)
         header = ring.header()
+        named: dict[str, set] = {}
         for a in args.assignments:
-            parse_assignment(pol, a, header)
+            name, classes = parse_assignment(pol, a, header)
+            named.setdefault(name, set()).update(classes)
+        fitted = fit_batches(pol, before, named, header)
         version = ring.write_policy(pol)
         applied, status = ring.wait_applied(version, args.wait) if args.wait > 0 else (None, ring.status())
     result = {"version": version, "applied": applied, **status,
-              "reject_reason_text": REJECT_REASONS.get(status["reject_reason"], "?")}
+              "reject_reason_text": REJECT_REASONS.get(status["reject_reason"], "?"),
+              "batch_fitted": [{"class": c, "size": int(header["class_size"][c]), "was": a, "now": b}
+                               for c, a, b in fitted]}
     if args.json:
         json.dump(result, sys.stdout)
         print()
+    elif fitted:
+        print(batches_note(fitted, pol, header["class_size"]))
+    if args.json:
+        pass
     elif applied is None:
         print(f"published snapshot {version}")
     elif applied:

@@ -7,8 +7,11 @@ new request number, into its policy area (only the file's owner or root can
 write it); the allocator answers in the header (trace_seen, trace_state,
 trace_error) at its next telemetry tick, and makes the trace itself,
 O_EXCL|O_NOFOLLOW and mode 0600, as <dir>/<pid>-<start>.trace-<request>:
-whoever asks chooses only the bounds, never a path."""
+whoever asks chooses only the bounds, never a path; the request number is
+random, so nobody else can make that name first (request). learnd removes
+the traces nobody takes (daemon.py sweep_captures)."""
 import os
+import secrets
 import stat
 
 from . import layout as L
@@ -35,10 +38,18 @@ def _u64(ring, struct, field):
 def request(ring, seconds, max_bytes):
     """Writes a capture request into ring's policy area; returns its number.
     The bounds first, the number last: the allocator reads the number with
-    acquire and the bounds after it."""
+    acquire and the bounds after it.
+
+    The number is random (63 bits): the process names the trace after it,
+    in a directory every user can write, and a name that can be guessed can
+    be taken first (any user could make <pid>-<start>.trace-1..N and every
+    capture of that process would fail with EEXIST). Only the file's owner
+    and root can read the number before the trace exists."""
     po = ring.policy_offset
-    seen = _u64(ring, "header", "trace_seen")
-    req = max(seen, _u64(ring, "policy_area", "trace_request")) + 1
+    taken = {_u64(ring, "header", "trace_seen"), _u64(ring, "policy_area", "trace_request"), 0}
+    req = 0
+    while req in taken:
+        req = secrets.randbits(63)
     ring.write(po + L.offset_of("policy_area", "trace_max_bytes"), int(max_bytes).to_bytes(8, "little"))
     ring.write(po + L.offset_of("policy_area", "trace_seconds"), int(seconds).to_bytes(4, "little"))
     ring.write(po + L.offset_of("policy_area", "trace_request"), req.to_bytes(8, "little"))

@@ -357,9 +357,35 @@ class Client:
         self.close()
 
 
+def _holder_alive(run_dir) -> bool:
+    """Whether the learnd whose pid learnd.lock holds (lock_run_dir) still
+    runs: a hakmem process of that pid. Looked at without taking the lock
+    (a learnd starting at that moment would find it taken)."""
+    try:
+        fd = os.open(os.path.join(run_dir, "learnd.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        pid = int(os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "0")
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return pid > 0 and b"hakmem" in f.read()
+    except OSError:
+        return False
+
+
 def is_running(run_dir) -> bool:
-    """control.sock exists and answers a status request within 0.5 s."""
-    return _probe(zmq.Context.instance(), os.path.abspath(run_dir), RUNNING_TIMEOUT_S) is not None
+    """control.sock exists and answers a status request within 0.5 s, or
+    its learnd is alive (a turn can take longer than that: the CLI must not
+    then take learnd for stopped and read, or write, the database behind
+    its back)."""
+    run_dir = os.path.abspath(run_dir)
+    return _probe(zmq.Context.instance(), run_dir, RUNNING_TIMEOUT_S) is not None or \
+        (os.path.exists(control_path(run_dir)) and _holder_alive(run_dir))
 
 
 class ClientBackend:

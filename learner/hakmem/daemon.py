@@ -29,25 +29,62 @@ SYNCHRONIZATION AND LIFE CYCLE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
 import stat
 import sys
 import time
+import traceback
 
 from . import __version__
 from . import layout as L
+from .cli.common import printable
 from .config import Config, ConfigError, load
 from .learning import Context, Decision, Evaluation, Window, canonical, same
 from .objective import Prices, default_objective, window_time_cost
 from .discovery import Candidate, Directory
 from .lease import Lease, LeaseError
-from .procfs import proc_rss, proc_start_time, proc_stat, program_identity
+from .procfs import proc_rss, proc_start_time, proc_stat, proc_uids, program_identity
 from .ring import Ring, RingError
 from .store import Store, StoreError, program_key
 
 PENDING_MAX = 200_000          # rows kept in memory while the store cannot be written
+UNTAKEN_CAPTURE_S = 60.0       # a finished capture nobody took in this long is abandoned (sweep_captures)
+SLOW_TURN_S = 0.5              # a turn longer than this keeps requests waiting: said in the log
+NOFILE_WANT = 65536            # descriptors learnd asks for (soft RLIMIT_NOFILE, up to the hard limit)
+FD_RESERVE = 256               # kept for learnd's own work: its database, sockets, directory listings,
+                               # hakmem-bpf, a screening's replays (3 pipes each, 24 at once) and copies
+
+
+def raise_nofile(want: int = NOFILE_WANT) -> int:
+    """Raises the soft RLIMIT_NOFILE towards want (never past the hard
+    limit); returns the soft limit in force. Every descriptor learnd holds
+    for something outside it (a process's telemetry file, a metrics client)
+    is counted against what this leaves after FD_RESERVE (Daemon.fd_budget),
+    so that no user's processes or connections can take the last one."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    goal = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < goal:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (goal, hard))
+            soft = goal
+        except (OSError, ValueError):
+            pass
+    return int(soft if soft != resource.RLIM_INFINITY else want)
+
+
+def where(e: BaseException) -> str:
+    """file:line of the innermost frame of e in hakmem's own code: enough for
+    a one-line report to be found in the source."""
+    tb = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in tb if f"{os.sep}hakmem{os.sep}" in f.filename] or tb
+    if not ours:
+        return "?"
+    f = ours[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno}"
 
 
 class Log:
@@ -63,6 +100,7 @@ class Log:
     def __call__(self, level: str, msg: str):
         if level == "debug" and not self.verbose:
             return
+        msg = printable(msg)     # program names are any user's to choose
         if self.foreground:
             line = f"{time.strftime('%H:%M:%S')} hakmem-learnd: {level if level != 'info' else ''}{': ' if level != 'info' else ''}{msg}"
         else:
@@ -83,6 +121,7 @@ class Writes:
         self.ops: list = []
         self.failing: str | None = None
         self.dropped = 0
+        self.broken = 0                  # writes dropped because they failed for a reason not the store's
 
     def add(self, op):
         self.ops.append(op)
@@ -92,16 +131,25 @@ class Writes:
 
     def flush(self) -> bool:
         done = 0
-        try:
-            for op in self.ops:
-                op(self.store)
-                done += 1
-        except StoreError as e:
-            del self.ops[:done]
-            if self.failing != str(e):
-                self.log("warning", f"{e}: keeping {len(self.ops)} writes in memory and retrying")
-            self.failing = str(e)
-            return False
+        while True:
+            try:
+                for op in self.ops:
+                    op(self.store)
+                    done += 1
+                break
+            except StoreError as e:
+                del self.ops[:done]
+                if self.failing != str(e):
+                    self.log("warning", f"{e}: keeping {len(self.ops)} writes in memory and retrying")
+                self.failing = str(e)
+                return False
+            except Exception as e:
+                # Not the database: a write that cannot be made at all (a
+                # bug). Retried, it would hold every later write back for ever.
+                self.broken += 1
+                self.log("error", f"internal error in a write, dropped ({type(e).__name__}: {e} at {where(e)})")
+                del self.ops[:done + 1]
+                done = 0
         del self.ops[:done]
         if self.failing:
             self.log("info", f"database writable again: {done} pending writes stored")
@@ -156,6 +204,7 @@ class Program:
     last_seen: float = 0.0
     last_window: Window | None = None
     screen: object = None            # screen.Screen while a screening is under way
+    fault: str | None = None         # why its learning stopped (Daemon.guard), until its processes restart
 
     @property
     def class_size(self):
@@ -185,6 +234,11 @@ class Daemon:
         self.metrics = None                  # metrics.Metrics with --metrics: fed each sample
         self.kernel = None                   # kernel.KernelSource: hakmem-bpf, else /proc (main starts it)
         self.screen_off: str | None = None   # why screening cannot run here (no replayer), said once
+        self.internal_errors = 0             # failures caught by guard(): each a bug, each contained
+        self.slow_turns = 0                  # turns longer than SLOW_TURN_S (said once a minute)
+        self.next_slow_note = 0.0
+        self.fd_budget(raise_nofile(0))      # main() raises the limit first; here it is only read
+        self.by_uid: dict[int, int] = {}     # processes tracked per owner (each holds a descriptor)
         from .learners import LEARNERS   # here: learners import scikit-learn, which is slow to load
         self.learners = LEARNERS
         if cfg.learner not in LEARNERS:
@@ -304,6 +358,68 @@ class Daemon:
                 except OSError:
                     pass
 
+    def fd_budget(self, nofile: int):
+        """How many telemetry files learnd keeps open (one descriptor each):
+        what RLIMIT_NOFILE leaves after FD_RESERVE and the metrics
+        endpoint's clients, and at most half of that for the processes of
+        any one user (a learnd of one user has them all), so that a user
+        who starts thousands of preloaded processes stops being tracked
+        before anybody else's processes, or learnd's own work, would."""
+        from .metrics import MAX_CLIENTS
+        self.nofile = nofile
+        self.max_tracked = max(16, nofile - FD_RESERVE - MAX_CLIENTS)
+        self.max_per_user = max(16, self.max_tracked // 2) if os.geteuid() == 0 else self.max_tracked
+
+    def _over_budget(self, c: Candidate) -> str | None:
+        if len(self.procs) >= self.max_tracked:
+            return (f"learnd tracks {len(self.procs)} processes, all its descriptors allow "
+                    f"(RLIMIT_NOFILE {self.nofile}): not tracked")
+        if self.by_uid.get(c.uid, 0) >= self.max_per_user:
+            return (f"learnd tracks {self.by_uid[c.uid]} processes of uid {c.uid}, one user's share of its "
+                    f"descriptors (RLIMIT_NOFILE {self.nofile}): not tracked")
+        return None
+
+    # ---- crash-only, per program ------------------------------------------------
+    @contextlib.contextmanager
+    def guard(self, prog: Program | None, what: str):
+        """Runs one piece of learnd's work so that its failure ends that work
+        and nothing else: nothing one program's processes, screening, trial
+        or pin do may end the daemon. A failure here is a bug (every
+        expected failure is handled where it happens); it is logged in one
+        line, counted (status, metrics), and the program it belongs to stops
+        learning (_fault) until its processes restart; learnd goes on."""
+        try:
+            yield
+        except Exception as e:
+            self.internal_errors += 1
+            why = f"{type(e).__name__}: {e} at {where(e)}"
+            if prog is None:
+                self.log("error", f"internal error while {what} ({why}); going on")
+            else:
+                self._fault(prog, what, why)
+
+    def _fault(self, prog: Program, what: str, why: str):
+        """Ends what the program was doing: its screening is closed, its
+        learner replaced by one that only keeps the policy in force (a
+        policy is only ever one the allocator accepted), until its last
+        process exits and a new one starts it afresh (_activate)."""
+        first = prog.fault is None
+        prog.fault = f"{what}: {why}"
+        if prog.screen is not None:
+            scr, prog.screen = prog.screen, None
+            with contextlib.suppress(Exception):
+                scr.close()
+        with contextlib.suppress(Exception):
+            prog.learner_name = "static"
+            prog.learner = self.learners["static"]()
+            if prog.ctx is not None:
+                prog.learner.start(prog.ctx, prog.target or prog.default, [])
+        if first:
+            self.event("error", f"internal error while {what} ({why}); its learning stops, the policy in force "
+                                f"stays, until its processes restart", prog, level="error")
+        else:
+            self.log("debug", f"{prog.exe}: internal error again while {what} ({why})")
+
     # ---- events ---------------------------------------------------------------
     def event(self, kind, message, prog: Program | None = None, pid=0, level="info", knobs=None,
               cost=None, baseline=None):
@@ -340,10 +456,25 @@ class Daemon:
                 self._gone(self.procs[path], "its telemetry file was removed")
         self.dir.due_retries(now_mono)
         for c in self.dir.candidates(tracked):
-            if proc_start_time(c.pid) != c.start_time:
-                self._remove_stale(c, now_mono)
-            else:
-                self._track(c, now_mono)
+            try:
+                if proc_start_time(c.pid) != c.start_time:
+                    self._remove_stale(c, now_mono)
+                elif (full := self._over_budget(c)) is not None:
+                    self._ignore(c, full, now_mono)
+                else:
+                    self._track(c, now_mono)
+            except Exception as e:
+                # A bug met by one file: that file is left (and looked at
+                # again after its backoff), the others are not.
+                self.internal_errors += 1
+                self.log("error", f"internal error while examining {c.name} ({type(e).__name__}: {e} at "
+                                  f"{where(e)}); leaving it")
+                p = self.procs.get(c.path)
+                if p is not None:
+                    with contextlib.suppress(Exception):
+                        self._gone(p, "internal error")
+                with contextlib.suppress(Exception):
+                    self._ignore(c, f"internal error ({type(e).__name__})", now_mono, quiet=True)
         if self.dir.changed_by_us:
             self.dir.changed_by_us = False
             self.dir.settle()
@@ -369,6 +500,53 @@ class Daemon:
             self.dir.forget(c.name)
         except OSError as e:
             self._ignore(c, f"stale, but cannot be removed: {e.strerror}", now_mono)
+
+    def sweep_captures(self, now_mono):
+        """Removes live captures' traces nobody will take: those whose process
+        is gone (it exited or was killed mid-capture; each is up to the
+        bytes asked for, 1 GiB for `hakmem trace record`, in RAM), those a
+        live process finished or moved on from UNTAKEN_CAPTURE_S ago without
+        the one who asked taking them (a `hakmem trace record` killed while
+        it waited), and names made by somebody other than the process's user
+        (a capture's name cannot be guessed now, capture.request; such a
+        file is junk). Whoever owns them: the directory is sticky, and root
+        may remove any; a learnd of one user removes what it may."""
+        for name, pid, start, req in self.dir.captures_due(now_mono):
+            path = os.path.join(self.cfg.shm_dir, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            why = None
+            uids = proc_uids(pid) if proc_start_time(pid) == start else None
+            if uids is None:
+                why = f"process {pid} is gone"
+            elif not stat.S_ISREG(st.st_mode) or st.st_uid != uids[1]:
+                why = f"made by uid {st.st_uid}, not by process {pid} (uid {uids[1]})"
+            else:
+                p = self.procs.get(os.path.join(self.cfg.shm_dir, f"{pid}-{start}"))
+                if p is not None and time.time() - st.st_mtime > UNTAKEN_CAPTURE_S:
+                    from .capture import answer
+                    try:
+                        a = answer(p.ring, req)
+                    except RingError:
+                        a = (0, 0)
+                    if a is None:
+                        why = "its process moved on to a later capture; nobody took it"
+                    elif a[0] != 1:                  # 1: recording
+                        why = f"finished over {UNTAKEN_CAPTURE_S:g} s ago; nobody took it"
+            if why is None:
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                self.log("debug", f"cannot remove the capture {name} ({why}): {e.strerror}")
+                continue
+            self.dir.tally[st.st_uid].removed += 1
+            self.dir.changed_by_us = True
+            self.log("debug", f"removed the capture {name}: {why}")
 
     @staticmethod
     def _age(path) -> float:
@@ -445,6 +623,7 @@ class Daemon:
         # What it runs now counts as confirmed: a later write replaces it.
         p.written_knobs, p.confirmed_at = canonical(in_force), now_mono
         self.procs[path] = p
+        self.by_uid[p.uid] = self.by_uid.get(p.uid, 0) + 1
         was_idle = not prog.procs
         prog.procs[path] = p
         self.dir.forget(c.name)
@@ -497,6 +676,10 @@ class Daemon:
         the best stored policy and what was measured before (warm start)."""
         if prog.default is None:
             prog.default = self._stored_default(prog) or canonical(p.written_knobs)
+        prog.fault = None
+        if prog.screen is not None:          # a screening started for a learner that is replaced now
+            scr, prog.screen = prog.screen, None
+            scr.close()
         over = self.cfg.for_program(prog.exe)
         prog.objective = self._objective_for(prog, p.pid)
         explore = self.cfg.explore if over.explore is None else over.explore
@@ -507,6 +690,16 @@ class Daemon:
                 chosen = self.store.chosen(prog.program_id)
         except Exception as e:
             self.log("warning", f"cannot read the stored policy of {prog.exe}: {e}")
+        if chosen is not None:
+            # Stored by an earlier hakmem that took any value (import and pin
+            # check the bounds now): the allocator would reject it whole.
+            from .knobs import Bounds, Knobs, KnobsError
+            try:
+                Knobs.of(chosen["knobs"]).check(Bounds.from_header(prog.header), prog.class_size)
+            except (KnobsError, KeyError, TypeError, ValueError) as e:
+                self.event("error", f"stored policy v{chosen['version']} ({chosen['origin']}) is outside the "
+                                    f"allocator's bounds ({e}): not applied", prog, p.pid, level="warning")
+                chosen = None
         prog.pinned = bool(chosen and chosen["pinned"])
         if prog.pinned:
             name, explore = "static", False
@@ -552,6 +745,7 @@ class Daemon:
             return
         prog.screen = Screen(prog.ctx, self.cfg.shm_dir, prog.objective, self.prices, replayer=exe,
                              jobs=self.cfg.screen_jobs, clock=self.clock)
+        prog.screen.learner = prog.learner    # its ranking is for this learner, and no other
         prog.learner.screening()
 
     def _step_screen(self, prog: Program, now_mono):
@@ -560,6 +754,11 @@ class Daemon:
         if ranked is None:
             return
         prog.screen = None
+        if getattr(scr, "learner", None) is not prog.learner:
+            # The learner that asked was replaced meanwhile (a pin, an
+            # unpin): the ranking is nobody's now.
+            self.log("debug", f"{prog.exe}: a screening ended after its learner was replaced; dropped")
+            return
         if not ranked:
             self.event("screen_failed", f"{scr.why}; searching without replay", prog, level="warning")
             prog.learner.screened([], scr.why)
@@ -679,59 +878,63 @@ class Daemon:
         for prog in list(self.programs.values()):
             if not prog.procs:
                 continue
-            parts = []
-            for p in list(prog.procs.values()):
-                if p.ring.alive and proc_start_time(p.pid) != p.start_time:
-                    self._gone(p, "exited")
-                    continue
-                self._confirm(p, t1_mono)
-                try:
-                    w = self._proc_window(p, t0_mono, t1_mono)
-                except RingError as e:
-                    self._drop(p, str(e).split(": ", 1)[-1], t1_mono)
-                    continue
-                parts.append((p, w))
-            if not parts or prog.ctx is None:
+            with self.guard(prog, "sampling"):
+                self._sample_program(prog, t0_mono, t1_mono, t0_wall, t1_wall)
+
+    def _sample_program(self, prog: Program, t0_mono, t1_mono, t0_wall, t1_wall):
+        parts = []
+        for p in list(prog.procs.values()):
+            if p.ring.alive and proc_start_time(p.pid) != p.start_time:
+                self._gone(p, "exited")
                 continue
-            # Evidence for the target only when every process that allocated
-            # in the window had applied it before the window began. A process
-            # takes up a snapshot when it allocates (a slow path or a
-            # check-in); one that allocated nothing here (it wrote no record:
-            # PostgreSQL's background writer between its rounds) cannot have
-            # looked, and it neither confirms the target nor holds it back.
-            in_force = prog.target is not None and all(
-                same(p.written_knobs, prog.target)
-                and ((p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w.active)
-                for p, w in parts)
-            # A window a capture ran in (screening) is evidence for no policy.
-            if in_force and prog.screen is not None and prog.screen.tracing_during(t0_mono, t1_mono):
-                in_force = False
-            knobs = prog.target if in_force else None
-            parts = [(p, self._priced(prog, w.replace(t_start=t0_wall, t_end=t1_wall, knobs=knobs)))
-                     for p, w in parts]
-            win = self._priced(prog, Window.merge([w for _, w in parts], knobs=knobs))
-            prog.last_window = win
-            if self.metrics is not None:
-                self.metrics.observe(prog, parts, win)
-            for p, w in parts:
-                p.windows += 1
-                p.last_rss = w.rss_bytes
-                p.last_allocs = float(w.allocs.sum())
-                p.threads = w.threads
-                p.last_cost = w.cost
-                self._store_window(prog, p, w)
+            self._confirm(p, t1_mono)
             try:
-                dec = prog.learner.observe(win)
-            except Exception as e:   # a learner bug must not stop learnd, nor leave a bad policy
-                self.event("error", f"learner {prog.learner_name} failed ({type(e).__name__}: {e}); "
-                                    f"keeping the policy in force", prog, level="error")
-                dec = None
-            if dec is not None:
-                self._decide(prog, dec)
-            for ev in prog.learner.pending():
-                self._store_evaluation(prog, ev)
-            if prog.screen is not None:
-                self._step_screen(prog, t1_mono)
+                w = self._proc_window(p, t0_mono, t1_mono)
+            except RingError as e:
+                self._drop(p, str(e).split(": ", 1)[-1], t1_mono)
+                continue
+            parts.append((p, w))
+        if not parts or prog.ctx is None:
+            return
+        # Evidence for the target only when every process that allocated
+        # in the window had applied it before the window began. A process
+        # takes up a snapshot when it allocates (a slow path or a
+        # check-in); one that allocated nothing here (it wrote no record:
+        # PostgreSQL's background writer between its rounds) cannot have
+        # looked, and it neither confirms the target nor holds it back.
+        in_force = prog.target is not None and all(
+            same(p.written_knobs, prog.target)
+            and ((p.confirmed_at is not None and p.confirmed_at <= t0_mono) or not w.active)
+            for p, w in parts)
+        # A window a capture ran in (screening) is evidence for no policy.
+        if in_force and prog.screen is not None and prog.screen.tracing_during(t0_mono, t1_mono):
+            in_force = False
+        knobs = prog.target if in_force else None
+        parts = [(p, self._priced(prog, w.replace(t_start=t0_wall, t_end=t1_wall, knobs=knobs)))
+                 for p, w in parts]
+        win = self._priced(prog, Window.merge([w for _, w in parts], knobs=knobs))
+        prog.last_window = win
+        if self.metrics is not None:
+            self.metrics.observe(prog, parts, win)
+        for p, w in parts:
+            p.windows += 1
+            p.last_rss = w.rss_bytes
+            p.last_allocs = float(w.allocs.sum())
+            p.threads = w.threads
+            p.last_cost = w.cost
+            self._store_window(prog, p, w)
+        try:
+            dec = prog.learner.observe(win)
+        except Exception as e:   # a learner bug must not stop learnd, nor leave a bad policy
+            self.event("error", f"learner {prog.learner_name} failed ({type(e).__name__}: {e}); "
+                                f"keeping the policy in force", prog, level="error")
+            dec = None
+        if dec is not None:
+            self._decide(prog, dec)
+        for ev in prog.learner.pending():
+            self._store_evaluation(prog, ev)
+        if prog.screen is not None:
+            self._step_screen(prog, t1_mono)
 
     def _priced(self, prog, w: Window) -> Window:
         """w with its costs under the program's objective and learnd's prices."""
@@ -765,7 +968,12 @@ class Daemon:
     def _gone(self, p: Proc, why):
         prog = p.program
         prog.procs.pop(p.path, None)
-        self.procs.pop(p.path, None)
+        if self.procs.pop(p.path, None) is not None:
+            left = self.by_uid.get(p.uid, 1) - 1
+            if left > 0:
+                self.by_uid[p.uid] = left
+            else:
+                self.by_uid.pop(p.uid, None)
         if self.kernel is not None:
             self.kernel.forget(p.pid, p.start_time)
         try:
@@ -786,31 +994,37 @@ class Daemon:
                 prog.screen.close()
                 prog.screen = None
 
-    def rss_tick(self):
-        for p in self.procs.values():
-            r = proc_rss(p.pid)
-            if r is not None:
-                p.rss_sum += r
-                p.rss_n += 1
+    def rss_tick(self, p: Proc):
+        r = proc_rss(p.pid)
+        if r is not None:
+            p.rss_sum += r
+            p.rss_n += 1
 
     # ---- the loop ---------------------------------------------------------------
     def turn(self, wait=True):
         """One turn: whatever is due, then wait for the next deadline or a request."""
         now = self.clock.monotonic()
-        self.check_lease(now)
+        with self.guard(None, "checking the lease"):
+            self.check_lease(now)
         if self.kernel is not None:
-            self.kernel.poll(p.pid for p in self.procs.values())
+            with self.guard(None, "reading hakmem-bpf"):
+                self.kernel.poll(p.pid for p in self.procs.values())
         if now >= self.next_discover:
-            self.discover(now)
-            self.rss_tick()
-            for p in self.procs.values():
-                self._confirm(p, now)
             self.next_discover = now + self.cfg.discover_period
+            with self.guard(None, "looking at the telemetry directory"):
+                self.discover(now)
+            with self.guard(None, "sweeping captures"):
+                self.sweep_captures(now)
+            for p in list(self.procs.values()):
+                with self.guard(p.program, "looking at its process"):
+                    self.rss_tick(p)
+                    self._confirm(p, now)
         if now >= self.next_sample:
             if self.turns:
                 self.sample(self.window_start, now)
                 if self.metrics is not None:
-                    self.metrics.publish(self)
+                    with self.guard(None, "publishing metrics"):
+                        self.metrics.publish(self)
             self.window_start = now
             self.next_sample = now + self.cfg.sample_period
             self.writes.flush()
@@ -823,7 +1037,19 @@ class Daemon:
                     self.log("debug", f"retention: {r['before']} -> {r['after']} windows")
                 except StoreError as e:
                     self.log("warning", f"retention postponed: {e}")
+                except Exception as e:
+                    self.internal_errors += 1
+                    self.log("error", f"internal error in retention ({type(e).__name__}: {e} at {where(e)}); "
+                                      f"postponed")
         self.turns += 1
+        took = self.clock.monotonic() - now
+        if took > SLOW_TURN_S:
+            # Requests wait this long for an answer (`hakmem status` gives
+            # up after 2 s): every piece of a turn is meant to be short.
+            self.slow_turns += 1
+            if now >= self.next_slow_note:
+                self.next_slow_note = now + 60.0
+                self.log("warning", f"a turn took {took:.2f} s ({self.slow_turns} turns over {SLOW_TURN_S:g} s so far)")
         if self.rep is not None:
             from . import control
             control.serve(self.rep, self.backend)
@@ -836,10 +1062,17 @@ class Daemon:
 
     def status_warnings(self):
         out = []
+        if self.internal_errors:
+            out.append(f"{self.internal_errors} internal errors, each contained (see the log: 'internal error')")
+        stopped = [g for g in self.programs.values() if g.fault and g.procs]
+        for g in stopped[:5]:
+            out.append(f"{os.path.basename(g.exe)}: learning stopped after an internal error ({g.fault})")
         if self.writes.failing:
             out.append(f"{self.writes.failing}: {len(self.writes.ops)} writes waiting in memory")
         if self.writes.dropped:
             out.append(f"{self.writes.dropped} writes dropped (memory bound reached)")
+        if self.writes.broken:
+            out.append(f"{self.writes.broken} writes dropped after an internal error")
         return out
 
 
@@ -891,6 +1124,8 @@ def _live_backend(d: Daemon):
                 return
             if g.learner is not None:
                 msg.state = "pinned" if g.pinned else (g.learner.state() if g.procs else "idle")
+            if g.fault and g.procs:
+                msg.state = "stopped (internal error)"
             if g.objective is not None:
                 msg.objective = g.objective.describe()
             if g.target is not None:
@@ -912,9 +1147,13 @@ def _live_backend(d: Daemon):
             g = d.programs.get(program["key"])
             if g is None or not g.procs:
                 return
-            d._flush_learner(g)
-            d._activate(g, next(iter(g.procs.values())))
-            d.event(kind, message, g, knobs=knobs)
+            # The pin is stored already; applying it is this program's work,
+            # under its guard like the rest (a failure stops its learning,
+            # never the daemon nor the request).
+            with d.guard(g, "applying a pin or unpin"):
+                d._flush_learner(g)
+                d._activate(g, next(iter(g.procs.values())))
+                d.event(kind, message, g, knobs=knobs)
 
         def on_pin(self, program, policy):
             self._restart(program, "policy_pinned", f"policy v{policy['version']} pinned by an operator",
@@ -1030,12 +1269,14 @@ def main(argv=None):
     except ConfigError as e:
         store.close()
         return fail(str(e))
+    nofile = raise_nofile()
     flag = []
     signal.signal(signal.SIGTERM, lambda *_: flag.append("TERM"))
     signal.signal(signal.SIGINT, lambda *_: flag.append("INT"))
     try:
         store.mark_unfinished_exited()
         d = Daemon(cfg, log, store, prices=Prices.calibrate())
+        d.fd_budget(nofile)
         d.prepare_dirs()
         d.open_endpoints()
         from .kernel import KernelSource      # hakmem-bpf when it may, else /proc (issue 16)
@@ -1057,7 +1298,8 @@ def main(argv=None):
     log("info", f"ready: watching {cfg.shm_dir}, database {cfg.db}, control {cfg.run_dir}/control.sock, "
                 f"learner {cfg.learner}, objective {cfg.objective.describe()}"
                 f"{'' if cfg.objective_explicit else ' (or the cgroup memory limit)'}, "
-                f"fault {d.prices.fault_s * 1e6:.2f} us, syscall {d.prices.syscall_s * 1e6:.2f} us"
+                f"fault {d.prices.fault_s * 1e6:.2f} us, syscall {d.prices.syscall_s * 1e6:.2f} us, "
+                f"{d.nofile} descriptors (up to {d.max_tracked} processes tracked)"
                 f"{f', metrics {d.metrics.url}' if d.metrics is not None else ''}")
     try:
         if args.once:
@@ -1065,7 +1307,14 @@ def main(argv=None):
             d.turn(wait=False)
         else:
             while not flag and not d.fatal:
-                d.turn()
+                try:
+                    d.turn()
+                except Exception as e:
+                    # Every program's work is guarded (Daemon.guard); this is
+                    # the rest of a turn. The daemon goes on, a little later.
+                    d.internal_errors += 1
+                    log("error", f"internal error in learnd's turn ({type(e).__name__}: {e} at {where(e)}); going on")
+                    time.sleep(0.1)
         log("info", f"stopping ({flag[0] if flag else ('lost the telemetry directory' if d.fatal else 'once')}): {len(d.procs)} processes, "
                     f"{len(d.writes.ops)} writes pending")
     finally:

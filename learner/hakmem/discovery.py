@@ -28,6 +28,11 @@ it ten times a second, so what it costs to look is bounded here:
     and logged as one summary line per owner at most every SUMMARY_S; the
     reasons of the first TELL_PER_USER files an owner's names were ignored
     for are logged one by one, each once.
+ 6. Captures. Live captures' traces (`<pid>-<starttime>.trace-<request>`,
+    made by the process) are listed with the rest and handed to learnd's
+    sweep (Daemon.sweep_captures) CAPTURE_PER_TURN at a time, each name at
+    most every CAPTURE_LOOK_S: whoever makes thousands of such names pays
+    for their own, a few lstat()s a turn.
 """
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ import pwd
 import re
 
 NAME = re.compile(r"^(\d+)-(\d+)$")
+CAPTURE = re.compile(r"^(\d+)-(\d+)\.trace-(\d+)$")   # a live capture's trace (allocator/src/telemetry.c live_start)
+CAPTURE_PER_TURN = 64        # capture names looked at per turn at most ...
+CAPTURE_LOOK_S = 10.0        # ... each at most this often
 PER_USER = 16
 PER_TURN = 128
 LOOK_PER_TURN = 1024
@@ -106,6 +114,9 @@ class Directory:
         self.tally: dict[int, Tally] = collections.defaultdict(Tally)
         self.next_summary = 0.0
         self.changed_by_us = False
+        self.captures: set[str] = set()          # capture-like names in the last listing
+        self.capture_due: list = []              # heap of (next_look, name)
+        self.capture_queued: set[str] = set()
 
     # ---- 1. listing -----------------------------------------------------------
     def scan(self, now: float, tracked: set[str]) -> bool:
@@ -124,11 +135,14 @@ class Directory:
             return False
         t0 = self.clock.perf_counter()
         names = {}
+        captures = set()
         try:
             with os.scandir(self.path) as it:
                 for e in it:
                     if NAME.match(e.name):
                         names[e.name] = e.inode()
+                    elif CAPTURE.match(e.name):
+                        captures.add(e.name)
         except OSError as e:
             self.log("error", f"cannot list {self.path}: {e.strerror}")
             self.next_scan = now + RESCAN_S
@@ -137,6 +151,10 @@ class Directory:
         self.ident, self.last_scan = ident, now
         self.next_scan = now + self.scan_s / SCAN_SHARE
         before, self.names = self.names, names
+        self.captures = captures
+        for n in captures - self.capture_queued:
+            self.capture_queued.add(n)
+            heapq.heappush(self.capture_due, (now, n))
         for table in (self.judged, self.owner):
             for n in [n for n in table if n not in names]:
                 del table[n]
@@ -207,6 +225,21 @@ class Directory:
                 self.tally[uid].waiting = max(self.tally[uid].waiting, len(q))
             else:
                 del self.queues[uid]
+        return out
+
+    def captures_due(self, now: float, most: int = CAPTURE_PER_TURN) -> list[tuple[str, int, int, int]]:
+        """Up to `most` capture names due for a look, as (name, pid,
+        start_time, request); each is due again CAPTURE_LOOK_S later while
+        it is listed."""
+        out = []
+        while self.capture_due and self.capture_due[0][0] <= now and len(out) < most:
+            _, n = heapq.heappop(self.capture_due)
+            if n not in self.captures:
+                self.capture_queued.discard(n)
+                continue
+            heapq.heappush(self.capture_due, (now + CAPTURE_LOOK_S, n))
+            m = CAPTURE.match(n)
+            out.append((n, int(m.group(1)), int(m.group(2)), int(m.group(3))))
         return out
 
     # ---- 4. judging -----------------------------------------------------------

@@ -22,27 +22,47 @@ process-wide default registry, so no other library's metrics leak in):
     hakmem_learnd_processes, hakmem_learnd_windows_total,
     hakmem_learnd_pending_writes, hakmem_learnd_dropped_writes_total
 
-THREADS. The HTTP server answers from its own thread; the daemon's state is
-only ever read by the daemon's loop. Each sample the loop builds a complete
-list of metric families (`publish`) and swaps it in under a lock; a scrape
-serves the last list whole. A scrape never sees half a turn and never slows
-the loop.
+    hakmem_learnd_internal_errors_total (failures contained by learnd's
+    guards: each is a bug), hakmem_learnd_metrics_clients_dropped_total{why=
+    evicted|timeout|bad_request} (this endpoint's own bounds at work)
+
+THREADS. One thread of its own serves HTTP (_Server: non-blocking sockets
+and one epoll loop); the daemon's state is only ever read by the daemon's
+loop. Each sample the loop builds a complete list of metric families
+(`publish`) and swaps it in under a lock; a scrape serves the last list
+whole. A scrape never sees half a turn and never slows the loop.
 
 TRUST. The endpoint binds 127.0.0.1 by default: the metrics name every
 program and pid that uses hakmem, which other users of a shared machine
-need not see. An address given explicitly is bound as given.
+need not see. An address given explicitly is bound as given. Any local user
+can connect, so the endpoint is bounded whatever they do: at most
+MAX_CLIENTS connections at once (a new one evicts the oldest, so a flood
+costs answers, never learnd's descriptors), REQUEST_S to send a request of
+at most MAX_REQUEST bytes, RESPONSE_S to take the answer, and no thread per
+client (prometheus-client's own server kept a thread and a descriptor for
+every idle connection, without limit: 1,000 of them took learnd's last
+descriptor and libzmq then aborted it).
 """
 from __future__ import annotations
 
+import collections
 import ipaddress
 import os
+import selectors
+import socket
 import threading
+import time
 
 from . import __version__
 from . import layout as L
 
 DEFAULT_PORT = 9711
 DEFAULT_HOST = "127.0.0.1"
+MAX_CLIENTS = 64             # connections at once; a new one evicts the oldest
+REQUEST_S = 5.0              # to send the request line and headers ...
+MAX_REQUEST = 8192           # ... of at most this many bytes
+RESPONSE_S = 10.0            # to take the whole answer
+ACCEPT_PAUSE_S = 0.1         # accepting stops this long when the process is out of descriptors
 TRIAL_KINDS = {"policy_accepted": "accepted", "policy_rolled_back": "rolled_back",
                "policy_settled": "settled", "relearn": "relearn"}
 
@@ -80,6 +100,197 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host, p
 
 
+class _Client:
+    __slots__ = ("sock", "deadline", "inbuf", "out")
+
+    def __init__(self, sock, deadline):
+        self.sock, self.deadline, self.inbuf, self.out = sock, deadline, b"", None
+
+
+class _Server:
+    """A small HTTP/1.x server for GET /metrics, bounded in every way a
+    local user could push it (see TRUST above). One thread, one epoll."""
+
+    def __init__(self, host: str, port: int, render, clock=time):
+        self.render, self.clock = render, clock
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as e:
+            raise OSError(e.errno, e.strerror) from None
+        family, _, _, _, addr = infos[0]
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind(addr)
+            self.sock.listen(128)
+            self.sock.setblocking(False)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.server_address = self.sock.getsockname()
+        self.sel = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.sel.register(self.sock, selectors.EVENT_READ, "listen")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.clients: collections.OrderedDict = collections.OrderedDict()   # sock -> _Client, oldest first
+        self.dropped = {"evicted": 0, "timeout": 0, "bad_request": 0}
+        self.served = 0
+        self.accept_paused_until = 0.0
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="hakmem-metrics", daemon=True)
+        self.thread.start()
+
+    def shutdown(self):
+        self.stopping = True
+        try:
+            self.wake_w.send(b"x")
+        except OSError:
+            pass
+        self.thread.join(timeout=5)
+
+    def server_close(self):
+        for c in list(self.clients):
+            self._close(c)
+        for s in (self.sock, self.wake_r, self.wake_w):
+            s.close()
+        self.sel.close()
+
+    # ---- the loop ---------------------------------------------------------------
+    def _run(self):
+        while not self.stopping:
+            now = self.clock.monotonic()
+            if self.accept_paused_until and now >= self.accept_paused_until:
+                self.accept_paused_until = 0.0
+                self.sel.register(self.sock, selectors.EVENT_READ, "listen")
+            soonest = min((c.deadline for c in self.clients.values()), default=now + 1.0)
+            if self.accept_paused_until:
+                soonest = min(soonest, self.accept_paused_until)
+            try:
+                events = self.sel.select(max(0.0, min(soonest - now, 1.0)))
+            except OSError:
+                events = []
+            for key, mask in events:
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "wake":
+                    try:
+                        self.wake_r.recv(64)
+                    except OSError:
+                        pass
+                elif mask & selectors.EVENT_READ:
+                    self._read(key.fileobj)
+                elif mask & selectors.EVENT_WRITE:
+                    self._write(key.fileobj)
+            now = self.clock.monotonic()
+            for sock in [s for s, c in self.clients.items() if c.deadline <= now]:
+                self.dropped["timeout"] += 1
+                self._close(sock)
+
+    def _accept(self):
+        for _ in range(MAX_CLIENTS):        # a bounded batch per wake-up
+            try:
+                sock, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # Out of descriptors (EMFILE, ENFILE) or memory: the kernel
+                # keeps the rest queued; look again a little later instead
+                # of being woken for them again at once.
+                self.sel.unregister(self.sock)
+                self.accept_paused_until = self.clock.monotonic() + ACCEPT_PAUSE_S
+                return
+            if len(self.clients) >= MAX_CLIENTS:
+                oldest = next(iter(self.clients))
+                self.dropped["evicted"] += 1
+                self._close(oldest)
+            sock.setblocking(False)
+            self.clients[sock] = _Client(sock, self.clock.monotonic() + REQUEST_S)
+            self.sel.register(sock, selectors.EVENT_READ, "client")
+
+    def _close(self, sock):
+        self.clients.pop(sock, None)
+        try:
+            self.sel.unregister(sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        sock.close()
+
+    def _read(self, sock):
+        c = self.clients.get(sock)
+        if c is None:
+            return
+        try:
+            data = sock.recv(MAX_REQUEST)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(sock)
+            return
+        if not data:
+            self._close(sock)
+            return
+        c.inbuf += data
+        end = c.inbuf.find(b"\r\n\r\n")
+        if end < 0:
+            end = c.inbuf.find(b"\n\n")
+        if end < 0:
+            if len(c.inbuf) >= MAX_REQUEST:
+                self.dropped["bad_request"] += 1
+                self._answer(c, 431, "text/plain; charset=utf-8", b"request header fields too large\n")
+            return
+        self._answer(c, *self._respond(c.inbuf[:end]))
+
+    def _respond(self, head: bytes):
+        line = head.split(b"\n", 1)[0].strip().split()
+        if len(line) != 3 or not line[2].startswith(b"HTTP/"):
+            self.dropped["bad_request"] += 1
+            return 400, "text/plain; charset=utf-8", b"bad request\n", False
+        method, target = line[0], line[1].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            return 405, "text/plain; charset=utf-8", b"only GET and HEAD\n", method == b"HEAD"
+        head_only = method == b"HEAD"
+        if target == b"/metrics":
+            from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+            self.served += 1
+            return 200, CONTENT_TYPE_PLAIN_0_0_4, self.render(), head_only
+        if target == b"/":
+            return 200, "text/html; charset=utf-8", (b"<html><body><a href=\"/metrics\">hakmem-learnd metrics"
+                                                     b"</a></body></html>\n"), head_only
+        return 404, "text/plain; charset=utf-8", b"not found: see /metrics\n", head_only
+
+    def _answer(self, c: _Client, status, ctype, body, head_only=False):
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  431: "Request Header Fields Too Large"}[status]
+        hdr = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+               f"Connection: close\r\n\r\n").encode()
+        c.out = memoryview(hdr + (b"" if head_only else body))
+        c.deadline = self.clock.monotonic() + RESPONSE_S
+        try:
+            self.sel.modify(c.sock, selectors.EVENT_WRITE, "client")
+        except (KeyError, ValueError, OSError):
+            self._close(c.sock)
+
+    def _write(self, sock):
+        c = self.clients.get(sock)
+        if c is None or c.out is None:
+            return
+        try:
+            n = sock.send(c.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(sock)
+            return
+        c.out = c.out[n:]
+        if not c.out:
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._close(sock)
+
+
 class _Collector:
     def __init__(self):
         self.lock = threading.Lock()
@@ -111,9 +322,9 @@ class Metrics:
         self.names: dict = {}         # key -> base name
 
     def start(self, daemon=None):
-        from prometheus_client import start_http_server
+        from prometheus_client.exposition import generate_latest
         try:
-            self.server, self.thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+            self.server = _Server(self.host, self.port, lambda: generate_latest(self.registry))
         except OSError as e:
             raise MetricsError(f"cannot serve metrics on {self.host}:{self.port}: {e.strerror or e}") from None
         self.port = self.server.server_address[1]
@@ -167,6 +378,15 @@ class Metrics:
                                           "rows waiting in memory for the database", value=len(daemon.writes.ops)))
             fams.append(CounterMetricFamily("hakmem_learnd_dropped_writes", "rows dropped at the memory bound",
                                             value=daemon.writes.dropped))
+            fams.append(CounterMetricFamily("hakmem_learnd_internal_errors", "failures learnd's guards contained "
+                                            "(each one a bug: see the log)", value=daemon.internal_errors))
+        if self.server is not None:
+            drop = CounterMetricFamily("hakmem_learnd_metrics_clients_dropped",
+                                       "connections to this endpoint closed unanswered by its bounds",
+                                       labels=["why"])
+            for why, n in sorted(self.server.dropped.items()):
+                drop.add_metric([why], n)
+            fams.append(drop)
         fams.append(CounterMetricFamily("hakmem_learnd_windows", "program windows sampled", value=self.windows))
 
         pl = ["program", "key", "pid"]

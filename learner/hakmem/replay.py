@@ -35,7 +35,6 @@ import pwd
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 
@@ -81,8 +80,16 @@ def find_replayer(explicit: str | None = None) -> str:
     raise ReplayError(f"the replayer hakmem-replay was not found (looked at {looked}); {BUILD_HINT}")
 
 
-class _Running:
-    """The replayer processes under way, so that Ctrl-C can end them."""
+class ReplayStopped(Exception):
+    """The replays' owner stopped them (learnd's screening closed, Ctrl-C in a sweep)."""
+
+
+class Runner:
+    """The replayer processes one owner started (a screening, a sweep), so
+    that the owner can end them: stop() ends those under way and makes the
+    owner's later run_replayer calls raise ReplayStopped. Each owner has its
+    own: one screening stopping (its program's process exited) never stops
+    another program's, nor a sweep's."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -97,18 +104,39 @@ class _Running:
                     p.send_signal(signal.SIGTERM)
 
 
-_RUNNING = _Running()
+def sealed_copy(name: str, data: bytes) -> int:
+    """A read-only descriptor of an anonymous file holding data (a memfd,
+    sealed): what learnd hands a replayer it runs as another user. There is
+    no name for anybody to rename over or open, and nobody can change it,
+    the replayer included. Closed by the caller."""
+    import fcntl
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
 
 
 def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replayer=None, timeout=None,
-                 user: int | None = None, gate: str | None = None) -> dict:
-    """One replay: the replayer's --json output as a dict. policy: the knobs
-    to set (a partial dict; None or {} = the allocator's default). user: a
-    uid to run the replayer as (root only; the trace must be readable by it).
-    gate: a file whose first byte holds the replay while nonzero (screen.Gate)."""
+                 user: int | None = None, gate=None, runner: Runner | None = None, label: str | None = None) -> dict:
+    """One replay: the replayer's --json output as a dict. trace: a path, or
+    a descriptor (int) the replayer reads without opening a name (learnd's
+    private copy, sealed_copy). policy: the knobs to set (a partial dict;
+    None or {} = the allocator's default), handed over the same way. user: a
+    uid to run the replayer as (root only). gate: a path or a descriptor
+    whose first byte holds the replay while nonzero (screen.Gate). runner:
+    the owner's Runner (its stop() ends this replay); label: the trace's
+    name in messages (default: the path)."""
     exe = replayer or find_replayer()
-    tmp = None
+    runner = runner or Runner()
+    label = label or str(trace)
     argv = [exe]
+    fds: list[int] = []
     creds = {}
     if user is not None:
         try:
@@ -116,32 +144,40 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
         except KeyError:
             gid = user
         creds = {"user": user, "group": gid, "extra_groups": []}
+    pfd = None
     try:
         if policy:
-            fd, tmp = tempfile.mkstemp(prefix="hakmem-replay-policy-", suffix=".json")
-            if user is not None:
-                os.fchown(fd, user, -1)
-            with os.fdopen(fd, "w") as f:
-                json.dump(policy, f)
-            argv += ["--policy", tmp]
+            pfd = sealed_copy("hakmem-replay-policy", json.dumps(policy).encode())
+            fds.append(pfd)
+            argv += ["--policy-fd", str(pfd)]
         argv += ["--repeat", str(int(repeat)), "--json"]
         if partial:
             argv.append("--partial")
-        if gate:
-            argv += ["--gate", gate]
-        argv.append(str(trace))
-        with _RUNNING.lock:
-            if _RUNNING.stopping:
-                raise KeyboardInterrupt
+        if isinstance(gate, int):
+            fds.append(gate)
+            argv += ["--gate-fd", str(gate)]
+        elif gate:
+            argv += ["--gate", str(gate)]
+        if isinstance(trace, int):
+            fds.append(trace)
+            argv += ["--trace-fd", str(trace)]
+        else:
+            argv.append(str(trace))
+        with runner.lock:
+            if runner.stopping:
+                raise ReplayStopped(f"{label}: replays stopped")
+            # Its own session: the terminal's Ctrl-C is the caller's to
+            # handle (below); the replayer dies with its parent all the same
+            # (PR_SET_PDEATHSIG), so a killed caller leaves no replay behind.
             p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True, **creds)
-            _RUNNING.procs.add(p)
+                                 start_new_session=True, pass_fds=fds, **creds)
+            runner.procs.add(p)
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
-            raise ReplayError(f"{trace}: the replayer ran past {timeout} s; killed") from None
+            raise ReplayError(f"{label}: the replayer ran past {timeout} s; killed") from None
         except BaseException:
             # Ctrl-C here: the replayer is in a session of its own (the
             # terminal's SIGINT does not reach it), so it is ended here.
@@ -149,19 +185,20 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
             p.wait()
             raise
         finally:
-            with _RUNNING.lock:
-                _RUNNING.procs.discard(p)
+            with runner.lock:
+                runner.procs.discard(p)
     finally:
-        if tmp:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    if _RUNNING.stopping and p.returncode < 0:
-        raise KeyboardInterrupt
+        if pfd is not None:
+            os.close(pfd)
+    if runner.stopping and p.returncode < 0:
+        raise ReplayStopped(f"{label}: replays stopped")
     if p.returncode != 0:
         lines = [ln for ln in err.splitlines() if ln.strip()]
         line = lines[-1] if lines else f"exit status {p.returncode}, nothing on stderr"
-        if tmp:
-            line = line.replace(tmp, f"the policy {json.dumps(policy, separators=(',', ':'))[:80]}")
+        if pfd is not None:
+            line = line.replace(f"descriptor {pfd}", f"the policy {json.dumps(policy, separators=(',', ':'))[:80]}")
+        if isinstance(trace, int):
+            line = line.replace(f"descriptor {trace}", label)
         # The replayer's own one line ("hakmem-replay: error: TRACE: why at byte N") passes through.
         raise ReplayError(line.split("error: ", 1)[1] if line.startswith("hakmem-replay: error: ") else
                           f"hakmem-replay: {line}")
@@ -169,7 +206,7 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
         res = json.loads(out)
         res["runs"][0]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ReplayError(f"{trace}: the replayer's output is not the JSON it promises ({out[:80]!r})") from None
+        raise ReplayError(f"{label}: the replayer's output is not the JSON it promises ({out[:80]!r})") from None
     return res
 
 
@@ -177,7 +214,7 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
 def trace_hash(path) -> str:
     """sha256 of the trace's bytes (opened as the trace reader opens files)."""
     from .trace import _open
-    f, _size = _open(str(path))
+    f, _size = _open(path)
     h = hashlib.sha256()
     with f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -198,6 +235,7 @@ class TraceFacts:
     allocs: np.ndarray          # allocations per class
     events: int
     mode: str
+    on_disk: bool = True        # False: a private copy that has no name (screening), `path` only says what it was
 
     def hot_classes(self, share=HOT_SHARE, most=3) -> list[int]:
         tot = float(self.allocs.sum())
@@ -210,7 +248,7 @@ class TraceFacts:
 def trace_facts(path, partial=False) -> TraceFacts:
     """Reads the trace once (TraceError on a bad one)."""
     from . import trace as T
-    ev = T.events(str(path), partial=partial)
+    ev = T.events(path, partial=partial)
     h = ev.header
     cs = list(h.class_size)
     alloc = np.isin(ev.op, T.ALLOC_OPS)
@@ -218,10 +256,11 @@ def trace_facts(path, partial=False) -> TraceFacts:
     allocs = np.bincount(cls, minlength=len(cs)).astype(float)
     dur_ns = int(ev.footer.duration_ns) if ev.footer is not None and ev.footer.duration_ns else \
         (int(ev.time_ns.max()) if len(ev.op) else 0)
-    st = os.stat(str(path))
+    from .trace import Opened
+    st = os.fstat(path.fd) if isinstance(path, Opened) else os.stat(str(path))
     return TraceFacts(path=str(path), hash=trace_hash(path), exe=h.exe, build_id=h.build_id, uid=st.st_uid,
                       class_size=cs, duration_s=max(dur_ns / 1e9, 1e-3), allocs=allocs, events=len(ev.op),
-                      mode=T.MODE_NAMES.get(h.mode, str(h.mode)))
+                      mode=T.MODE_NAMES.get(h.mode, str(h.mode)), on_disk=not isinstance(path, Opened))
 
 
 # ---- costs ---------------------------------------------------------------------------------
@@ -339,7 +378,7 @@ def save(store, facts: TraceFacts, objective: Objective, r: Result, program_id=N
             "INSERT OR REPLACE INTO replay_runs (trace_hash, trace_path, exe, build_id, program_id, knobs, knobs_hash, "
             "policy, objective, repeat, wall_s, cpu_s, peak_rss_bytes, os_calls, minflt, time_cost, mem_cost, cost, "
             "spread, result, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (facts.hash, os.path.abspath(facts.path), facts.exe, facts.build_id, program_id,
+            (facts.hash, os.path.abspath(facts.path) if facts.on_disk else facts.path, facts.exe, facts.build_id, program_id,
              json.dumps(r.knobs, sort_keys=True), knobs_hash(r.knobs), json.dumps(r.policy), objective.describe(),
              r.repeat, r.wall_s, r.cpu_s, r.peak_rss_bytes, r.os_calls, r.minflt, r.time_cost, r.mem_cost, r.cost,
              r.spread, json.dumps(raw), time.time()))
@@ -430,6 +469,7 @@ class Sweep:
         self.on_result = on_result or (lambda r: None)
         self.timeout = timeout
         self.known = stored(store, facts, objective) if store is not None else {}
+        self.runner = Runner()
         self.results: dict[str, Result] = {}
         self.replayed = 0
 
@@ -448,7 +488,7 @@ class Sweep:
 
     def _replay(self, knobs):
         res = run_replayer(self.facts.path, knobs, repeat=self.repeat, partial=self.partial, replayer=self.replayer,
-                           timeout=self.timeout)
+                           timeout=self.timeout, runner=self.runner)
         self.replayed += 1
         return result_of(res, knobs, self.facts, self.objective, self.prices)
 
@@ -479,7 +519,7 @@ class Sweep:
                     self.results[knobs_hash(r.knobs)] = r
                     self.on_result(r)
             except BaseException:
-                _RUNNING.stop()
+                self.runner.stop()
                 ex.shutdown(wait=True, cancel_futures=True)
                 raise
             ex.shutdown(wait=True)

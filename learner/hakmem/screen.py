@@ -13,10 +13,12 @@ steps it once per window:
            (a program that allocates fast fills the bound in a fraction of
            a second, and its replay stays short);
   REPLAY   the finished trace is taken out of the telemetry directory
-           (opened without following links, its owner checked, read within
-           its bound, its chunks and footer checked) into a private file,
-           and replayed under every screening policy, `jobs` at a time, in
-           a worker thread; learnd's loop never waits for a replay;
+           (opened without following links, its owner and size checked,
+           read within its bound through that descriptor, its chunks and
+           footer checked) into a private copy that has no name (a sealed
+           memfd the replayers read through an inherited descriptor), and
+           replayed under every screening policy, `jobs` at a time, in a
+           worker thread; learnd's loop never waits for a replay;
   DONE     the results, cheapest first, go to the learner (`screened`) and
            to the store (replay_runs, as `hakmem replay` keeps them);
   FAILED   the reason goes to the log once, and the learner is told so
@@ -148,14 +150,17 @@ def policies(ctx: Context, hot: list[int]) -> list[tuple[str, Knobs]]:
     return uniq
 
 
-SCREEN_PREFIX = "hakmem-screen-"   # private trace copies: <tmpdir>/hakmem-screen-<learnd pid>-XXXX.trace, gates .gate
+SCREEN_PREFIX = "hakmem-screen-"   # what learnds before the memfd copies left in the temporary directory
 
 
 def sweep_stale(directory: str | None = None) -> int:
-    """Removes the private trace copies a learnd that is gone left behind (a
-    learnd killed while screening cannot remove its own: each is the whole
-    capture, up to MAX_BYTES). Only regular files of this user, named with a
-    pid that no longer runs; nothing is followed. Returns how many went."""
+    """Removes the trace copies and gates an earlier learnd left in the
+    temporary directory (<tmp>/hakmem-screen-<pid>-XXXX.trace or .gate: a
+    learnd killed while screening could not remove its own, each up to
+    MAX_BYTES, and it had given the traces to the traced user), whoever owns
+    them now, when the learnd named is gone. Learnd makes none there now
+    (its copies are memfds). Only regular files; nothing is followed; a
+    learnd that is not root can remove only its own. Returns how many went."""
     d = directory or tempfile.gettempdir()
     gone = 0
     try:
@@ -171,7 +176,7 @@ def sweep_stale(directory: str | None = None) -> int:
         path = os.path.join(d, name)
         try:
             st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            if stat.S_ISREG(st.st_mode) and (os.geteuid() == 0 or st.st_uid == os.geteuid()):
                 os.unlink(path)
                 gone += 1
         except OSError:
@@ -216,9 +221,10 @@ class Gate:
     opens as long again, so a program that turns busy, or bursts when none
     was due, holds the replays at most half the time.
 
-    The file is learnd's (mode 0644, so a replay run as the program's user
-    reads it and cannot truncate it), written with pwrite and never mapped
-    here: nothing another user does to it can stop learnd."""
+    The gate is an anonymous file of learnd's (a memfd): the replays get a
+    read-only descriptor of it (`hakmem-replay --gate-fd`), so a replay run
+    as the program's user can neither change it nor find it by a name; it
+    is written with pwrite and never mapped here."""
 
     POLL_S = 0.005
     QUIET_S = 0.25
@@ -227,10 +233,20 @@ class Gate:
 
     def __init__(self, pid: int, clock=time):
         self.pid, self.clock = int(pid), clock
-        fd, self.path = tempfile.mkstemp(prefix=f"{SCREEN_PREFIX}{os.getpid()}-", suffix=".gate")
+        import fcntl
+        fd = os.memfd_create("hakmem-screen-gate", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.pwrite(fd, b"\0" * 8, 0)
+            # Its size fixed: a replayer that truncated it (through
+            # /proc/self/fd) would die of SIGBUS on its own mapping.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            # What the replays get: read-only, so a replayer run as the
+            # program's user cannot hold the others, nor learnd's own byte.
+            self.ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            os.close(fd)
+            raise
         self.fd = fd
-        os.fchmod(fd, 0o644)
-        os.pwrite(fd, b"\0" * 8, 0)
         self.closed = False
         self.closed_s = 0.0      # how long the gate was closed, in all
         self.closings = 0
@@ -308,13 +324,11 @@ class Gate:
     def close(self):
         self._stop.set()
         self._thread.join()
-        fds, self._stat, self.fd = (self._stat, self.fd), None, None
+        fds, self._stat, self.fd, self.ro = (self._stat, self.fd, self.ro), None, None, None
         for fd in fds:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
 
 
 def replay_cpus() -> set[int] | None:
@@ -381,7 +395,9 @@ class Screen:
         self.proc = None
         self.req = 0
         self.deadline = 0.0
-        self.path: str | None = None      # the private copy of the trace
+        self.trace_fd: int | None = None  # the private copy of the trace (a sealed memfd, replay.sealed_copy)
+        self.label = ""                   # its name in messages
+        self.runner = None                # replay.Runner: this screening's replays, and nobody else's
         self.footer: dict | None = None
         self.facts = None
         self.results: list[tuple[Ranked, object]] = []   # (ranked, replay.Result)
@@ -479,10 +495,16 @@ class Screen:
 
     def _take(self, p):
         """The finished trace out of the telemetry directory, into a private
-        file (the replayer's owner may read it), checked whole."""
+        copy nobody else can name or change (a sealed memfd the replays read
+        through a descriptor), checked whole. Read through the descriptor
+        that was checked, bounded: never opened again by its name."""
+        from . import replay as R
         name = C.trace_name(p.ring, self.req)
         dfd, fd, st = C._open_trace(self.shm_dir, name, p.ring.file_uid)
         try:
+            if st.st_size > self.max_bytes + (1 << 20):
+                raise C.CaptureError(f"process {p.pid}'s capture is {st.st_size} bytes, past the "
+                                     f"{self.max_bytes}-byte bound it was asked for")
             with os.fdopen(fd, "rb") as f:
                 data = f.read(self.max_bytes + (1 << 20))
             with contextlib.suppress(OSError):
@@ -492,23 +514,29 @@ class Screen:
         self.footer = C.check_trace(data)
         if self.footer["events"] == 0:
             raise C.CaptureError(f"process {p.pid}'s capture holds no events")
-        ofd, path = tempfile.mkstemp(prefix=f"{SCREEN_PREFIX}{os.getpid()}-", suffix=".trace")
-        self.path = path
-        with os.fdopen(ofd, "wb") as o:
-            o.write(data)
+        # A capture asked for N seconds ends at the first allocation or tick
+        # after them: a footer claiming much longer is not this capture, and
+        # the replays would pace its idle gaps for as long as it says.
+        most = self.capture_s + GRACE_S + ACK_WAIT_S
+        if self.footer["duration_s"] > most:
+            raise C.CaptureError(f"process {p.pid}'s capture says it lasted {self.footer['duration_s']:.1f} s; "
+                                 f"it was asked for {self.capture_s} s")
+        self.trace_fd = R.sealed_copy("hakmem-screen-trace", data)
+        self.label = f"the screening trace of {p.pid}"
         self.uid = p.ring.file_uid
-        if os.geteuid() == 0 and self.uid != 0:
-            os.chown(path, self.uid, -1)
 
     def _start_replays(self):
+        from .replay import Runner
         self.state = self.REPLAY
+        self.runner = Runner()
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hakmem-screen")
         self._fut = self._pool.submit(self._replay_all)
 
     # ---- the worker thread ---------------------------------------------------------------
     def _replay_all(self) -> list[Ranked]:
         from . import replay as R
-        facts = R.trace_facts(self.path)
+        from .trace import Opened
+        facts = R.trace_facts(Opened(self.trace_fd, self.label))
         self.facts = facts
         hot = facts.hot_classes(most=2)
         pol = policies(self.ctx, hot)
@@ -530,7 +558,7 @@ class Screen:
             # at the same moment, and 17 processes faulting 64 MiB at once on
             # 2 cores wait on each other in the kernel's locks and for a CPU.
             if self._stop.wait(i * STAGGER_S):
-                raise KeyboardInterrupt
+                raise R.ReplayStopped(f"{self.label}: replays stopped")
             # The replays are learnd's errand, not the program's: at nice 19
             # they take the CPUs the program leaves (Linux's nice is per
             # thread, and a child takes its forking thread's).
@@ -544,8 +572,9 @@ class Screen:
                     with contextlib.suppress(OSError):
                         os.sched_setaffinity(0, cpus)
                 niced.add(tid)
-            res = R.run_replayer(self.path, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
-                                 timeout=REPLAY_TIMEOUT_S, user=user, gate=gate and gate.path)
+            res = R.run_replayer(self.trace_fd, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
+                                 timeout=REPLAY_TIMEOUT_S, user=user, gate=gate.ro if gate else None,
+                                 runner=self.runner, label=self.label)
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
         # The gate is closed in _cleanup, with the rest of the screening's
         # state, on every way out.
@@ -573,19 +602,22 @@ class Screen:
     def _cleanup(self):
         if self.gate is not None:
             self.gate.close()
-        if self.path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            self.path = None
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        # The replays hold their own descriptors: closing ours ends nothing
+        # of theirs, and the memfd goes with the last of them.
+        if self.trace_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.trace_fd)
+            self.trace_fd = None
 
     def close(self):
-        """learnd stops: replays under way are ended."""
+        """The screening ends early (its program's last process exited, an
+        operator pinned a policy, learnd stops): its own replays are ended,
+        and only those."""
         if self.state == self.REPLAY:
-            from . import replay as R
             self._stop.set()
-            R._RUNNING.stop()
+            self.runner.stop()
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._cleanup()
 

@@ -14,7 +14,9 @@ a shared directory), so the reader:
   when opened) and against MAX_CHUNK before reading a byte of it;
 - checks every chunk: a well-formed message, columns of one length, known
   operations, the header first, the footer last, chunk numbers in order, the
-  footer's counts equal to what the chunks hold;
+  footer's counts equal to what the chunks hold, no event later than the
+  footer's duration (a replay paces its idle gaps: a gap no capture could
+  have recorded would hold it for as long as the trace says);
 - on the first problem raises TraceError naming the file and the byte offset
   of the chunk at fault, or, asked to (partial=True), stops there and says
   how many bytes were valid and why it stopped.
@@ -35,6 +37,7 @@ MAGIC = b"HKTRACE1"
 FORMAT = 1
 MAX_CHUNK = 64 << 20          # no writer makes a chunk this big; a larger length is damage
 MAX_VARINT = 10
+DURATION_SLACK_NS = 1_000_000_000   # events may not come later than the footer's duration plus this
 
 # Operations, as numbers (trace.proto's Op) and names.
 MALLOC, CALLOC, REALLOC, FREE, ALIGNED, THREAD_EXIT = 1, 2, 3, 4, 5, 6
@@ -88,12 +91,27 @@ def size_classes(sizes, class_size):
 
 # ---- opening ------------------------------------------------------------------
 
+class Opened:
+    """A trace already open: a descriptor of the reader's own (learnd's
+    private copy of a screening trace, replay.sealed_copy), read again
+    through /proc/self/fd (a description of its own, at offset 0), never by
+    a name another user could rename over. `name` stands for it in messages."""
+
+    def __init__(self, fd: int, name: str):
+        self.fd, self.name = int(fd), name
+
+    def __str__(self):
+        return self.name
+
+
 def _open(path):
-    """A read-only file object on path, which must be a regular file: a
-    symlink fails at open (O_NOFOLLOW), a FIFO opens without blocking
-    (O_NONBLOCK) and is refused by fstat. Returns (file, size at open)."""
+    """A read-only file object on path (or an Opened trace), which must be a
+    regular file: a symlink fails at open (O_NOFOLLOW), a FIFO opens without
+    blocking (O_NONBLOCK) and is refused by fstat. Returns (file, size at open)."""
+    where = f"/proc/self/fd/{path.fd}" if isinstance(path, Opened) else path
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC |
+                     (0 if isinstance(path, Opened) else os.O_NOFOLLOW))
     except OSError as e:
         why = "a symbolic link; refusing to follow it" if e.errno == errno.ELOOP else (e.strerror or str(e))
         raise TraceError(path, 0, why) from None
@@ -117,6 +135,7 @@ class ChunkIter:
     counts so far) are set as chunks go by."""
 
     def __init__(self, path, partial=False, check_layout=True):
+        self.source = path                    # a path, or an Opened trace
         self.path, self.partial, self.check_layout = str(path), partial, check_layout
         self.header = self.footer = self.stopped = None
         self.valid_bytes = 0
@@ -126,6 +145,7 @@ class ChunkIter:
         self.file_size = 0
         self._gen = None
         self.last_ops = self.last_dt = None
+        self.latest = None           # (time, chunk offset) of the latest event so far
 
     def __iter__(self):
         if self._gen is None:
@@ -133,7 +153,7 @@ class ChunkIter:
         return self._gen
 
     def _run(self):
-        f, size = _open(self.path)
+        f, size = _open(self.source)
         self.file_size = size
         try:
             magic = f.read(len(MAGIC))
@@ -228,6 +248,10 @@ class ChunkIter:
                 raise TraceError(self.path, pos, f"the footer counts {ft.chunks} chunks before it, the file has {self.chunks}")
             if ft.events != self.events:
                 raise TraceError(self.path, pos, f"the footer counts {ft.events} events, the chunks hold {self.events}")
+            if self.latest is not None and self.latest[0] > ft.duration_ns + DURATION_SLACK_NS:
+                t, at = self.latest
+                raise TraceError(self.path, at, f"an event at {t / 1e9:.3f} s, past the trace's duration of "
+                                                f"{ft.duration_ns / 1e9:.3f} s (its footer)")
             self.footer = ft
         for name in ("size", "align", "addr", "old_addr", "dt_ns"):
             if len(getattr(c, name)) != n:
@@ -243,6 +267,9 @@ class ChunkIter:
             if float(dt.sum(dtype=np.float64)) >= 2.0 ** 63:
                 raise TraceError(self.path, pos, "event times past 2^63 ns")
             self.last_ops, self.last_dt = ops, dt     # for events(): not converted twice
+            t = int(dt.sum(dtype=np.uint64))           # the chunk's last event (times restart in each chunk)
+            if self.latest is None or t > self.latest[0]:
+                self.latest = (t, pos)
             self.threads.add(c.thread)
         self.chunks += 1
         self.events += n

@@ -14,6 +14,7 @@ the C writer and the Python reader agree on the format.
 - Disk full (a 64 KiB tmpfs): the program is unaffected, drops are counted
   and the file stays well framed.
 """
+import errno
 import json
 import os
 import subprocess
@@ -25,6 +26,8 @@ import pytest
 from conftest import BUILD, LIB, WORKLOAD, clean_env, proc_start_time, ring_path, run_cli, scaled, wait_for
 from hakmem import layout as L
 from hakmem._pb import trace_pb2
+from hakmem.capture import REFUSED, answer
+from hakmem.ring import Ring
 
 COUNTED = BUILD / "learner" / "counted"
 PY_SYS = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"   # runs as another user
@@ -223,6 +226,19 @@ def test_live_record_without_learnd_holds_the_lease_itself(tmp_path):
     assert chunks[-1].footer.end_reason == "limit_bytes" and events
 
 
+def ask(ring_file, req, seconds=1, max_bytes=65536):
+    """Writes capture request number req by hand (capture.request picks a
+    random one): a test that must know the trace's name ahead."""
+    from hakmem import layout as L
+    with Ring(ring_file, writable=True) as ring:
+        po = ring.policy_offset
+        ring.write(po + L.offset_of("policy_area", "trace_max_bytes"), int(max_bytes).to_bytes(8, "little"))
+        ring.write(po + L.offset_of("policy_area", "trace_seconds"), int(seconds).to_bytes(4, "little"))
+        ring.write(po + L.offset_of("policy_area", "trace_request"), int(req).to_bytes(8, "little"))
+        wait_for(lambda: answer(ring, req), 10, f"the process to take request {req}")
+        return answer(ring, req)
+
+
 def test_live_record_refuses_a_hostile_link_and_fails_in_one_line(shm, tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("keep")
@@ -230,18 +246,22 @@ def test_live_record_refuses_a_hostile_link_and_fails_in_one_line(shm, tmp_path)
     w = subprocess.Popen([str(WORKLOAD), "hot", "64", "100", str(scaled(8))], env=e,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ring_path(shm, w.pid)
-        # where the process would write its first capture
-        os.symlink(victim, shm / f"{w.pid}-{proc_start_time(w.pid)}.trace-1")
-        r = run_cli("trace", "record", w.pid, "--seconds", "1", "-o", tmp_path / "x.trace", "--shm-dir", shm)
-        assert r.returncode != 0
-        assert r.stderr.startswith("hakmem: error: ") and len(r.stderr.strip().splitlines()) == 1
-        assert "refused" in r.stderr
-        assert victim.read_text() == "keep" and not (tmp_path / "x.trace").exists()
-        # the next request gets a fresh name and works
+        path = ring_path(shm, w.pid)
+        # A link where the process would write request 7's trace: the
+        # process makes its trace O_EXCL|O_NOFOLLOW, refuses the request,
+        # and never writes through the link.
+        os.symlink(victim, shm / f"{w.pid}-{proc_start_time(w.pid)}.trace-7")
+        state, err = ask(path, 7)
+        assert (state, err) == (REFUSED, errno.EEXIST)
+        assert victim.read_text() == "keep"
+        # `hakmem trace record` picks a number nobody can guess: links at the
+        # small ones change nothing.
+        for i in (1, 2, 3, 4, 5, 6, 8):
+            os.symlink(victim, shm / f"{w.pid}-{proc_start_time(w.pid)}.trace-{i}")
         r = run_cli("trace", "record", w.pid, "--seconds", "1", "--max-bytes", 65536, "-o",
                     tmp_path / "y.trace", "--shm-dir", shm)
         assert r.returncode == 0, r.stderr
+        assert victim.read_text() == "keep"
         assert w.poll() is None
     finally:
         wout, werr = w.communicate(timeout=scaled(30))
@@ -302,12 +322,15 @@ def test_another_user_can_neither_ask_nor_aim_the_capture(mallory, shared_shm, t
             out, _ = m.communicate(timeout=scaled(10))
             assert out.split()[0] in ("13", "1"), out          # EACCES / EPERM
             assert (shared_shm / name).is_symlink()
-            r = run_cli("trace", "record", w.pid, "--seconds", "1", "-o", tmp_path / "a.trace", "--shm-dir", shared_shm)
-            assert r.returncode != 0 and "refused" in r.stderr and "File exists" in r.stderr, r.stderr
+            # The name she aimed at is one the process would use only for
+            # request 1 (root asks for it here, by hand): refused, not followed.
+            assert ask(ring, 1) == (REFUSED, errno.EEXIST)
             assert victim.read_text() == "keep"
+            # `hakmem trace record` asks with a number she cannot know.
             r = run_cli("trace", "record", w.pid, "--seconds", "1", "--max-bytes", 65536, "-o",
                         tmp_path / "b.trace", "--shm-dir", shared_shm)
             assert r.returncode == 0, r.stderr
+            assert victim.read_text() == "keep"
         finally:
             w.communicate(timeout=scaled(30))
     assert w.returncode == 0

@@ -30,7 +30,7 @@ PERIOD = 0.5         # learnd's window in these tests
 class Learnd:
     """hakmem-learnd in a private directory, its log in a file."""
 
-    def __init__(self, tmp, *extra, db=None, shm=None, run=None, wait_ready=True, period=PERIOD):
+    def __init__(self, tmp, *extra, db=None, shm=None, run=None, wait_ready=True, period=PERIOD, env=None):
         self.tmp = pathlib.Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.shm = pathlib.Path(shm) if shm else self.tmp / "shm"
@@ -40,7 +40,7 @@ class Learnd:
         self.log = open(self.logpath, "w")
         cmd = [sys.executable, "-m", "hakmem.daemon", "--foreground", "--db", str(self.db), "--shm-dir",
                str(self.shm), "--run-dir", str(self.run), "--sample-period", str(period), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=clean_env(),
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=clean_env(**(env or {})),
                                      cwd=ROOT)
         if wait_ready:
             wait_for(lambda: "ready:" in self.text() or self.proc.poll() is not None, 30, "learnd ready")

@@ -256,10 +256,22 @@ def test_screening_takes_the_process_own_trace_and_removes_it(tmp_path):
     s._take(p)
     try:
         assert s.footer["events"] == 5 and not name.exists()
-        assert open(s.path, "rb").read() == _trace_bytes()
+        # The private copy has no name: a sealed memfd, read through its
+        # descriptor, that nobody (the replayer run as the user included)
+        # can change.
+        assert os.readlink(f"/proc/self/fd/{s.trace_fd}").startswith("/memfd:hakmem-screen-trace")
+        assert os.pread(s.trace_fd, 1 << 20, 0) == _trace_bytes()
+        with open(f"/proc/self/fd/{s.trace_fd}", "r+b", buffering=0) as f:
+            with pytest.raises(PermissionError):      # sealed against writes ...
+                f.write(b"HKTRACE2")
+            with pytest.raises(PermissionError):      # ... and size changes
+                os.ftruncate(f.fileno(), 0)
     finally:
+        fd = s.trace_fd
         s._cleanup()
-    assert s.path is None
+    assert s.trace_fd is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "hardlink", "truncated", "oversized", "foreign"])
@@ -287,7 +299,7 @@ def test_screening_refuses_what_stands_in_the_trace_name(tmp_path, kind):
     with pytest.raises(CaptureError) as e:
         s._take(p)
     assert "\n" not in str(e.value)
-    assert s.path is None, "no private copy of a refused trace"
+    assert s.trace_fd is None, "no private copy of a refused trace"
     assert target.read_bytes() == _trace_bytes(), "the link's target untouched"
     if kind in ("symlink", "fifo", "hardlink", "foreign"):
         assert os.path.lexists(name), "not the process's file: not removed"
@@ -328,7 +340,7 @@ def test_an_intermittent_program_is_traced_long_enough_to_hold_bursts(monkeypatc
     # bursts' period is known when the replays start.
     assert (s.gate is not None) == s.intermittent
     s.close()
-    assert s.gate is None or (not os.path.exists(s.gate.path) and not s.gate._thread.is_alive())
+    assert s.gate is None or (s.gate.fd is None and not s.gate._thread.is_alive())
 
 
 def test_a_capture_that_fails_closes_the_gate_it_started(monkeypatch):
@@ -341,9 +353,9 @@ def test_a_capture_that_fails_closes_the_gate_it_started(monkeypatch):
         p.last_allocs = float(a)
         s.step([p], 0.0)
     gate = s.gate
-    assert gate is not None and os.path.exists(gate.path) and gate._thread.is_alive()
+    assert gate is not None and gate.fd is not None and gate._thread.is_alive()
     assert s.step([], 1.0) == [] and s.state == s.FAILED and "ended during the capture" in s.why
-    assert not os.path.exists(gate.path) and not gate._thread.is_alive()
+    assert gate.fd is None and not gate._thread.is_alive()
     s.close()          # once more: nothing left to close, nothing closed twice
 
 
@@ -398,7 +410,7 @@ def test_screening_ranks_by_counted_faults_and_memory_not_by_replay_cpu_time(tmp
     prices = Prices(fault_s=1.5e-6, syscall_s=2e-6)
     obj = Objective(lam=0.5)
     s = Screen(ctx, "/nonexistent", obj, prices)
-    s.path, s.uid = str(trace), os.geteuid()
+    s.trace_fd, s.uid = os.open(trace, os.O_RDONLY), os.geteuid()
     ranked = s._replay_all()
     assert [r.label for r in ranked] == ["B", "default"]
     by = {r.label: r for r in ranked}
@@ -470,9 +482,9 @@ def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_o
     for gated in (True, False):
         seen.clear()
         s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices(fault_s=1e-6, syscall_s=1e-6))
-        s.path, s.uid = str(trace), os.geteuid()
+        s.trace_fd, s.uid = os.open(trace, os.O_RDONLY), os.geteuid()
         if gated:
-            s.gate = types.SimpleNamespace(count_from=lambda now: None, path=None, closings=0, closed_s=0.0)
+            s.gate = types.SimpleNamespace(count_from=lambda now: None, ro=None, closings=0, closed_s=0.0)
         ranked_ = s._replay_all()
         assert len(ranked_) == 2 and len(seen) == 2
         if gated and not one:
@@ -501,8 +513,13 @@ def test_a_learnd_that_is_gone_leaves_no_screening_trace_behind(tmp_path):
     os.symlink(victim, other)
     unrelated = tmp_path / f"notes-{dead}.trace"
     unrelated.write_bytes(b"n")
-    assert sweep_stale(str(tmp_path)) == 1
-    assert not stale.exists() and mine.exists() and os.path.lexists(other) and victim.exists() and unrelated.exists()
+    given = tmp_path / f"hakmem-screen-{dead}-own.trace"            # given to the traced user by an old learnd
+    given.write_bytes(b"g")
+    if os.geteuid() == 0:
+        os.chown(given, 65534, 65534)
+    assert sweep_stale(str(tmp_path)) == 2
+    assert not stale.exists() and not given.exists(), "removed whoever owns them now"
+    assert mine.exists() and os.path.lexists(other) and victim.exists() and unrelated.exists()
     assert sweep_stale(str(tmp_path / "missing")) == 0
 
 
@@ -521,10 +538,9 @@ def _gate_record(gate, t0, seconds):
     """(time since t0, gate byte) every 5 ms for `seconds`."""
     import time
     out = []
-    with open(gate.path, "rb") as f:
-        while time.monotonic() < t0 + seconds:
-            out.append((time.monotonic() - t0, os.pread(f.fileno(), 1, 0) == b"\1"))
-            time.sleep(0.005)
+    while time.monotonic() < t0 + seconds:         # what a replay reads: its read-only descriptor
+        out.append((time.monotonic() - t0, os.pread(gate.ro, 1, 0) == b"\1"))
+        time.sleep(0.005)
     return out
 
 
@@ -560,7 +576,7 @@ def test_the_gate_closes_through_each_burst_and_before_the_next_one_is_due():
     assert Gate.QUIET_S < 0.3 and Gate.MARGIN_S == 0.5
     gate, rec = _watched(5, 0.1, 1.2, 5.6)
     gate.close()
-    assert not os.path.exists(gate.path)
+    assert gate.fd is None and gate.ro is None
     for k in (2, 3):
         b = 1.2 * k
         assert _share_closed(rec, b + 0.03, b + 0.09) >= 0.8, f"open in burst {k}"

@@ -133,7 +133,8 @@ def _record(args, pid, d, seconds, out):
             if now >= deadline:
                 raise RecordError(f"the capture did not end within {seconds + GRACE_S:g} s (the process "
                                   f"ends it at its next allocation after {seconds} s; is it idle?); "
-                                  f"what was written is in {d}/{name}")
+                                  f"what was written is in {d}/{name} (hakmem-learnd removes it a minute after the "
+                                  f"capture ends)")
             time.sleep(0.05)
         uid = ring.file_uid
     dfd, fd, st = _open_trace(d, name, uid)

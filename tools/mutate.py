@@ -98,11 +98,11 @@ def build_targets(tests):
         if t.startswith("c:"):
             targets.add(f"{{B}}/tests/{t[2:]}")
         else:
-            targets.update({"{B}/learner/workload", "{B}/learner/counted"})
+            # The replayer too: hakmem replay's tests run it (issue 14), and
+            # so does every learnd that screens a program (the GP learner's).
+            targets.update({"{B}/learner/workload", "{B}/learner/counted", "{B}/hakmem-replay"})
             if "test_bpf" in t:     # hakmem-bpf and its counted program (issue 16)
                 targets.update({"bpf", "{B}/learner/kernel_ops"})
-            if "replay" in t:       # hakmem replay's tests run the replayer (issue 14)
-                targets.add("{B}/hakmem-replay")
             if "replay_predict" in t or "bench_learn" in t:   # they run bench-learn's workload
                 targets.add("{B}/bench/learn_workload")
     return sorted(targets)

@@ -245,10 +245,11 @@ class TraceFacts:
         return order[:most]
 
 
-def trace_facts(path, partial=False) -> TraceFacts:
-    """Reads the trace once (TraceError on a bad one)."""
+def trace_facts(path, partial=False, on_progress=None) -> TraceFacts:
+    """Reads the trace once (TraceError on a bad one). on_progress(bytes
+    read, size) after each chunk (it may raise to stop the reading)."""
     from . import trace as T
-    ev = T.events(path, partial=partial)
+    ev = T.events(path, partial=partial, on_progress=on_progress)
     h = ev.header
     cs = list(h.class_size)
     alloc = np.isin(ev.op, T.ALLOC_OPS)

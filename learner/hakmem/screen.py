@@ -529,14 +529,33 @@ class Screen:
         from .replay import Runner
         self.state = self.REPLAY
         self.runner = Runner()
+        # The worker's own descriptors of the copy and the gate: close()
+        # does not wait for it (its trace's analysis takes a second for a
+        # large trace, learnd's loop none of it), and a descriptor closed
+        # under it could be reused for another file by then.
+        fds = (os.dup(self.trace_fd), os.dup(self.gate.ro) if self.gate is not None else None)
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hakmem-screen")
-        self._fut = self._pool.submit(self._replay_all)
+        self._fut = self._pool.submit(self._replay_owned, *fds)
 
     # ---- the worker thread ---------------------------------------------------------------
-    def _replay_all(self) -> list[Ranked]:
+    def _replay_owned(self, trace_fd: int, gate_fd: int | None) -> list[Ranked]:
+        try:
+            return self._replay_all(trace_fd, gate_fd)
+        finally:
+            for fd in (trace_fd, gate_fd):
+                if fd is not None:
+                    os.close(fd)
+
+    def _replay_all(self, trace_fd: int | None = None, gate_fd: int | None = None) -> list[Ranked]:
         from . import replay as R
         from .trace import Opened
-        facts = R.trace_facts(Opened(self.trace_fd, self.label))
+        trace_fd = self.trace_fd if trace_fd is None else trace_fd
+        gate_fd = (self.gate.ro if self.gate is not None else None) if gate_fd is None else gate_fd
+
+        def stopped(_done, _size):    # between the trace's chunks: a screening closed meanwhile ends here
+            if self._stop.is_set():
+                raise R.ReplayStopped(f"{self.label}: replays stopped")
+        facts = R.trace_facts(Opened(trace_fd, self.label), on_progress=stopped)
         self.facts = facts
         hot = facts.hot_classes(most=2)
         pol = policies(self.ctx, hot)
@@ -572,8 +591,8 @@ class Screen:
                     with contextlib.suppress(OSError):
                         os.sched_setaffinity(0, cpus)
                 niced.add(tid)
-            res = R.run_replayer(self.trace_fd, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
-                                 timeout=REPLAY_TIMEOUT_S, user=user, gate=gate.ro if gate else None,
+            res = R.run_replayer(trace_fd, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
+                                 timeout=REPLAY_TIMEOUT_S, user=user, gate=gate_fd if gate else None,
                                  runner=self.runner, label=self.label)
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
         # The gate is closed in _cleanup, with the rest of the screening's
@@ -616,9 +635,12 @@ class Screen:
         operator pinned a policy, learnd stops): its own replays are ended,
         and only those."""
         if self.state == self.REPLAY:
+            # Its replays are ended now; the worker, its own descriptors in
+            # hand, stops at its next step (a chunk of the trace, a replay
+            # to start), without learnd waiting for it.
             self._stop.set()
             self.runner.stop()
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
         self._cleanup()
 
     def describe(self, ranked: list[Ranked], top=3) -> str:

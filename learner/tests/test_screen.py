@@ -359,6 +359,38 @@ def test_a_capture_that_fails_closes_the_gate_it_started(monkeypatch):
     s.close()          # once more: nothing left to close, nothing closed twice
 
 
+def test_closing_a_screening_never_waits_for_its_worker(monkeypatch):
+    """learnd closes a screening in its loop (the program's last process
+    exited, a pin): that must not wait for the worker, which may be reading
+    a large trace (about a second for 16 MiB) and kept every request waiting
+    meanwhile. close() returns at once; the worker stops at its next chunk,
+    and closes the descriptors it was given."""
+    import threading
+    import time
+    import hakmem.replay as R
+    started = threading.Event()
+
+    def slow_facts(path, partial=False, on_progress=None):
+        started.set()
+        for i in range(1000):                 # a large trace's chunks
+            time.sleep(0.01)
+            on_progress(i, 1000)
+        raise AssertionError("read to its end: never told to stop")
+    monkeypatch.setattr(R, "trace_facts", slow_facts)
+    fds = lambda: len(os.listdir("/proc/self/fd"))   # noqa: E731
+    before = fds()
+    s = Screen(make_ctx(), "/nonexistent", None, None)
+    s.trace_fd, s.uid, s.label = R.sealed_copy("t", b"HKTRACE1"), os.geteuid(), "t"
+    s._start_replays()
+    assert started.wait(5)
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 0.2, "close() waited for the worker"
+    with pytest.raises(R.ReplayStopped):
+        s._fut.result(timeout=5)
+    assert fds() == before, "every descriptor of the screening closed"
+
+
 def test_replays_run_side_by_side_as_far_as_memory_holds_them(monkeypatch):
     import hakmem.screen as S
     assert 0 < S._mem_available() or not os.path.exists("/proc/meminfo")
@@ -392,7 +424,7 @@ def test_screening_ranks_by_counted_faults_and_memory_not_by_replay_cpu_time(tmp
     facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
                          class_size=list(make_ctx().class_size), duration_s=2.0,
                          allocs=__import__("numpy").zeros(len(make_ctx().class_size)), events=10, mode="full")
-    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False: facts)
+    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False, on_progress=None: facts)
 
     def fake_run(path, knobs, **kw):
         if knobs["drain_ms"] == 1000:       # the default: more faults, more memory, a quiet neighbourhood
@@ -459,7 +491,7 @@ def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_o
     facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
                          class_size=list(ctx.class_size), duration_s=2.0,
                          allocs=__import__("numpy").zeros(len(ctx.class_size)), events=10, mode="full")
-    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False: facts)
+    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False, on_progress=None: facts)
     seen = []
 
     def fake_run(path, knobs, **kw):

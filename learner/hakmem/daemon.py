@@ -1196,6 +1196,7 @@ files (as root; see README "Running it in production"):
 
 signals:
   SIGTERM, SIGINT             store what was measured, remove the sockets, exit 0
+  SIGUSR1                     write every thread's stack to the log (what a slow turn is doing)
 
 exit status:
   0 stopped by a signal; 1 an error, said in one line "hakmem-learnd: error: ..."
@@ -1270,6 +1271,10 @@ def main(argv=None):
         store.close()
         return fail(str(e))
     nofile = raise_nofile()
+    # `kill -USR1 PID` writes every thread's stack to the log: what a turn
+    # that takes too long is doing, without stopping learnd.
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     flag = []
     signal.signal(signal.SIGTERM, lambda *_: flag.append("TERM"))
     signal.signal(signal.SIGINT, lambda *_: flag.append("INT"))

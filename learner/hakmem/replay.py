@@ -163,15 +163,21 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
             argv += ["--trace-fd", str(trace)]
         else:
             argv.append(str(trace))
+        if runner.stopping:
+            raise ReplayStopped(f"{label}: replays stopped")
+        # Its own session: the terminal's Ctrl-C is the caller's to handle
+        # (below); the replayer dies with its parent all the same
+        # (PR_SET_PDEATHSIG), so a killed caller leaves no replay behind.
+        # Not under runner.lock: a replay started at nice 19 on a machine
+        # whose CPUs are taken may wait seconds for its exec, and stop()
+        # (learnd's loop, closing a screening) would wait as long for the lock.
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, pass_fds=fds, **creds)
         with runner.lock:
-            if runner.stopping:
-                raise ReplayStopped(f"{label}: replays stopped")
-            # Its own session: the terminal's Ctrl-C is the caller's to
-            # handle (below); the replayer dies with its parent all the same
-            # (PR_SET_PDEATHSIG), so a killed caller leaves no replay behind.
-            p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True, pass_fds=fds, **creds)
             runner.procs.add(p)
+            if runner.stopping:             # stop() came while it started: it did not see this one
+                with contextlib.suppress(OSError):
+                    p.send_signal(signal.SIGTERM)
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

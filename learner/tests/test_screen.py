@@ -391,6 +391,45 @@ def test_closing_a_screening_never_waits_for_its_worker(monkeypatch):
     assert fds() == before, "every descriptor of the screening closed"
 
 
+def test_stopping_a_screenings_replays_never_waits_for_one_that_is_starting(monkeypatch, tmp_path):
+    """A replay is started at nice 19; on a machine whose CPUs are taken its
+    child can wait seconds to exec, and Popen waits with it. Stopping the
+    screening (learnd's loop) must not wait for that: it returns at once,
+    and the replay that was starting is ended as soon as it exists. (In
+    CI, with seven busy workloads on two cores, a pin in the middle of a
+    screening kept learnd from answering for over 5 s.)"""
+    import subprocess
+    import threading
+    import time
+    import hakmem.replay as R
+    real = subprocess.Popen
+    starting = threading.Event()
+
+    def slow_popen(*a, **kw):
+        starting.set()
+        time.sleep(1.5)                 # the child, starved, has not exec'd yet
+        return real(*a, **kw)
+    monkeypatch.setattr(R.subprocess, "Popen", slow_popen)
+    slow = tmp_path / "replayer"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    runner, out = R.Runner(), {}
+
+    def replay():
+        try:
+            R.run_replayer(tmp_path / "t.trace", None, replayer=str(slow), runner=runner, timeout=60)
+        except BaseException as e:            # noqa: BLE001 (what ended it is the result)
+            out["error"] = e
+    t = threading.Thread(target=replay)
+    t.start()
+    assert starting.wait(5)
+    t0 = time.monotonic()
+    runner.stop()
+    assert time.monotonic() - t0 < 0.2, "stop() waited for a replay that was starting"
+    t.join(10)
+    assert not t.is_alive() and isinstance(out.get("error"), R.ReplayStopped), out
+
+
 def test_replays_run_side_by_side_as_far_as_memory_holds_them(monkeypatch):
     import hakmem.screen as S
     assert 0 < S._mem_available() or not os.path.exists("/proc/meminfo")

@@ -256,7 +256,8 @@ class World:
             want = pinned.get((prog, users))
             if want is None or p.poll() is not None:
                 continue
-            path = next(self.shm.glob(f"{p.pid}-*"), None)
+            # Its telemetry file, not a capture of it (<pid>-<start>.trace-<n>).
+            path = next((f for f in self.shm.glob(f"{p.pid}-*") if ".trace-" not in f.name), None)
             if path is None:
                 continue
 

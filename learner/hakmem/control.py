@@ -287,33 +287,92 @@ def _one_line(e) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+# Requests that change what learnd does: never answered in the middle of a
+# learner's computation (Server.serve(readonly=True)), only between its turns.
+MUTATING = frozenset({"policy_pin", "policy_unpin", "policy_import"})
+
+
+class Server:
+    """learnd's side of the control socket. serve() answers what is waiting;
+    serve(readonly=True) is called from inside a long computation of a
+    learner's (learners.base.pause: a GP's fit takes seconds on a loaded
+    machine, and `hakmem status` gives up after 5): it answers what only
+    reads, and a request that would change a program (a pin, whose learner
+    may be the one computing) is kept, unanswered, until the next serve()
+    between turns. REP takes no new request before the kept one's reply, so
+    nothing overtakes it."""
+
+    def __init__(self, rep: zmq.Socket, backend: Backend):
+        self.rep, self.backend = rep, backend
+        self.kept: pb.Request | None = None
+        self.serving = False
+
+    def serve(self, max_requests: int = 16, readonly: bool = False) -> int:
+        """Answers requests waiting on the socket (up to max_requests)
+        without blocking; returns how many. Never raises because of a request."""
+        if self.serving:                 # a computation inside an answer: no answers inside that
+            return 0
+        self.serving = True
+        try:
+            return self._serve(max_requests, readonly)
+        finally:
+            self.serving = False
+
+    def _serve(self, max_requests, readonly):
+        n = 0
+        while n < max_requests:
+            if self.kept is not None:
+                if readonly:
+                    break
+                req, self.kept = self.kept, None
+            else:
+                try:
+                    frames = self.rep.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    req = _parse(frames)
+                except ControlError as e:
+                    n += 1
+                    self._reply(pb.Reply(ok=False, error=_one_line(e)))
+                    continue
+                if readonly and req.WhichOneof("body") in MUTATING:
+                    self.kept = req
+                    break
+            n += 1
+            self._reply(answer(self.backend, req))
+        return n
+
+    def _reply(self, reply: pb.Reply):
+        try:
+            self.rep.send(reply.SerializeToString(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass                        # the client has gone; REP drops the reply itself
+
+
+def _parse(frames) -> pb.Request:
+    if len(frames) != 1:
+        raise ControlError(f"malformed request: {len(frames)} frames, expected 1")
+    try:
+        return pb.Request.FromString(frames[0])
+    except (DecodeError, ValueError) as e:
+        raise ControlError(f"malformed request: {_one_line(e)}") from None
+
+
+def answer(backend: Backend, req: pb.Request) -> pb.Reply:
+    """The reply to one parsed request; never raises because of it."""
+    try:
+        return handle(backend, req)
+    except (ControlError, StoreError) as e:
+        return pb.Reply(ok=False, error=_one_line(e))
+    except Exception as e:          # the daemon must never die from a client
+        return pb.Reply(ok=False, error=f"internal error: {type(e).__name__}: {_one_line(e)}")
+
+
 def serve(rep: zmq.Socket, backend: Backend, max_requests: int = 16) -> int:
     """Answers every request waiting on rep (up to max_requests) without
     blocking; returns how many. Never raises because of a request."""
-    n = 0
-    while n < max_requests:
-        try:
-            frames = rep.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            break
-        n += 1
-        try:
-            if len(frames) != 1:
-                raise ControlError(f"malformed request: {len(frames)} frames, expected 1")
-            try:
-                req = pb.Request.FromString(frames[0])
-            except (DecodeError, ValueError) as e:
-                raise ControlError(f"malformed request: {_one_line(e)}") from None
-            reply = handle(backend, req)
-        except (ControlError, StoreError) as e:
-            reply = pb.Reply(ok=False, error=_one_line(e))
-        except Exception as e:          # the daemon must never die from a client
-            reply = pb.Reply(ok=False, error=f"internal error: {type(e).__name__}: {_one_line(e)}")
-        try:
-            rep.send(reply.SerializeToString(), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass                        # the client has gone; REP drops the reply itself
-    return n
+    return Server(rep, backend).serve(max_requests)
 
 
 # ---- the client side --------------------------------------------------------------

@@ -309,6 +309,11 @@ class Daemon:
         self.zctx = zmq.Context()
         self.rep, self.pub = control.bind(self.zctx, self.cfg.run_dir)
         self.backend = _live_backend(self)
+        self.control = control.Server(self.rep, self.backend)
+        # A learner's long computation (a GP's fit: seconds on a loaded
+        # machine) answers, between its steps, the requests that only read.
+        from .learners.base import set_pause
+        set_pause(lambda: self.control.serve(readonly=True))
 
     def check_lease(self, now_mono):
         """Still the holder of the directory's lease? Root may have replaced a
@@ -348,6 +353,8 @@ class Daemon:
             self.lease.release()
             self.lease = None
         if self.zctx is not None:
+            from .learners.base import set_pause
+            set_pause(None)
             for s in (self.rep, self.pub):
                 s.close(linger=0)
             self.zctx.term()
@@ -1044,15 +1051,15 @@ class Daemon:
         self.turns += 1
         took = self.clock.monotonic() - now
         if took > SLOW_TURN_S:
-            # Requests wait this long for an answer (`hakmem status` gives
-            # up after 2 s): every piece of a turn is meant to be short.
+            # Requests that change a program waited this long (those that
+            # only read are answered inside a learner's long computations).
             self.slow_turns += 1
             if now >= self.next_slow_note:
                 self.next_slow_note = now + 60.0
                 self.log("warning", f"a turn took {took:.2f} s ({self.slow_turns} turns over {SLOW_TURN_S:g} s so far)")
         if self.rep is not None:
             from . import control
-            control.serve(self.rep, self.backend)
+            self.control.serve()
         if wait:
             timeout = max(0.0, min(self.next_discover, self.next_sample) - self.clock.monotonic())
             if self.rep is not None:

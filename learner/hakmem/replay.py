@@ -385,7 +385,8 @@ def save(store, facts: TraceFacts, objective: Objective, r: Result, program_id=N
             "INSERT OR REPLACE INTO replay_runs (trace_hash, trace_path, exe, build_id, program_id, knobs, knobs_hash, "
             "policy, objective, repeat, wall_s, cpu_s, peak_rss_bytes, os_calls, minflt, time_cost, mem_cost, cost, "
             "spread, result, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (facts.hash, os.path.abspath(facts.path) if facts.on_disk else facts.path, facts.exe, facts.build_id, program_id,
+            (facts.hash, os.path.abspath(facts.path) if facts.on_disk else facts.path, facts.exe, facts.build_id,
+             program_id,
              json.dumps(r.knobs, sort_keys=True), knobs_hash(r.knobs), json.dumps(r.policy), objective.describe(),
              r.repeat, r.wall_s, r.cpu_s, r.peak_rss_bytes, r.os_calls, r.minflt, r.time_cost, r.mem_cost, r.cost,
              r.spread, json.dumps(raw), time.time()))

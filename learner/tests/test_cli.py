@@ -671,6 +671,56 @@ def test_serve_answers_what_waits_and_survives_internal_errors(db, run_dir):
         store.close()
 
 
+def test_a_server_inside_a_computation_answers_reads_and_keeps_changes_for_later(db, run_dir):
+    """learnd answers between the steps of a learner's long computation
+    (control.Server.serve(readonly=True)): what only reads is answered then;
+    a request that changes a program (here a pin) is kept, unanswered, and
+    nothing overtakes it, until the serve() between turns answers it first."""
+    ctx = zmq.Context.instance()
+    rep, pub = control.bind(ctx, run_dir)
+    store = Store(db[0])
+    clients = []
+
+    def client(req):
+        c = ctx.socket(zmq.REQ)
+        c.setsockopt(zmq.LINGER, 0)
+        c.connect(control.control_endpoint(run_dir))
+        c.send(req.SerializeToString())
+        clients.append(c)
+        return c
+    try:
+        server = control.Server(rep, StoreBackend(store, run_dir))
+        a = client(pb.Request(status=pb.StatusRequest()))
+        assert wait_for(lambda: server.serve(readonly=True), what="the status answered inside") == 1
+        b = client(pb.Request(policy_pin=pb.PolicyPinRequest(program="fakeprog", version=2)))
+        wait_for(lambda: rep.poll(0) or server.kept, what="the pin")
+        assert server.serve(readonly=True) == 0 and server.kept is not None, "the pin kept, not answered"
+        c = client(pb.Request(status=pb.StatusRequest()))
+        time.sleep(scaled(0.1))           # it waits behind the pin: REP reads nothing before that reply
+        assert server.serve(readonly=True) == 0
+        assert not b.poll(0) and not c.poll(0)
+        assert store.find_program("fakeprog")["pinned_policy"] is None, "not pinned before its turn"
+        assert wait_for(lambda: server.serve(), what="the pin, then the status") >= 1
+        for sock in (a, b, c):
+            assert sock.poll(5000)
+        replies = [pb.Reply.FromString(sock.recv()) for sock in (a, b, c)]
+        assert all(r.ok for r in replies), replies
+        assert replies[1].policies[0].pinned and replies[1].policies[0].version == 2
+        # A serve inside a serve (a learner computing inside an answer) answers nothing.
+        server.serving = True
+        d = client(pb.Request(status=pb.StatusRequest()))
+        time.sleep(scaled(0.1))
+        assert server.serve() == 0 and not d.poll(0)
+        server.serving = False
+        assert wait_for(lambda: server.serve(), what="the last status") == 1
+    finally:
+        for sock in clients:
+            sock.close()
+        rep.close()
+        pub.close()
+        store.close()
+
+
 def test_client_times_out_and_does_not_reuse_the_socket(db, run_dir):
     ctx = zmq.Context.instance()
     rep, pub = control.bind(ctx, run_dir)

@@ -624,3 +624,35 @@ def test_gp_abandons_a_candidate_the_program_never_applies():
     assert all(o is None for o in outs[:-1])
     assert outs[-1] is not None and outs[-1].kind == "rollback" and same(outs[-1].knobs, ctx.default)
     assert "did not apply" in outs[-1].reason and lrn.state() == "settled"
+
+
+def test_the_gp_fit_pauses_for_learnd_and_fits_as_scikit_learns_own_optimizer():
+    """The GP's hyperparameters are fitted with scikit-learn's own L-BFGS-B,
+    calling learners.base.pause between steps (learnd answers requests
+    there): the fit is the same, to the last bit, and the hook is called."""
+    import warnings
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
+    from hakmem.learners import base
+    from hakmem.learners.gp import _lbfgs_pausing
+    rng = np.random.default_rng(3)
+    X, y = rng.random((60, 8)), rng.random(60)
+
+    def fit(**kw):
+        k = ConstantKernel(1.0) * Matern(length_scale=np.full(8, 0.3), nu=2.5) + WhiteKernel(1e-2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gp = GaussianProcessRegressor(k, normalize_y=True, n_restarts_optimizer=1, random_state=0, **kw)
+            return gp.fit(X, y)
+    calls = []
+    base.set_pause(lambda: calls.append(1))
+    old, base.PAUSE_EVERY_S = base.PAUSE_EVERY_S, 0.0
+    try:
+        ours = fit(optimizer=_lbfgs_pausing)
+    finally:
+        base.set_pause(None)
+        base.PAUSE_EVERY_S = old
+    theirs = fit()
+    assert np.array_equal(ours.kernel_.theta, theirs.kernel_.theta)
+    assert ours.log_marginal_likelihood_value_ == theirs.log_marginal_likelihood_value_
+    assert len(calls) >= 10, f"{len(calls)} pauses in two L-BFGS-B runs"

@@ -20,6 +20,32 @@ from ..learning import Context, Decision, Evaluation, Learner, Prior, Window, sa
 __all__ = ["Context", "Decision", "Evaluation", "Learner", "Prior", "Reporting", "Window", "MAX_PENDING"]
 
 MAX_PENDING = 1000           # evaluations kept for flush(); older "measured" ones are dropped
+PAUSE_EVERY_S = 0.02         # pause() calls its hook at most this often
+
+_pause_hook = None
+_pause_last = 0.0
+
+
+def set_pause(hook) -> None:
+    """What pause() calls (None: nothing): learnd answers the requests that
+    only read while a learner computes (control.Server.serve(readonly=True))."""
+    global _pause_hook
+    _pause_hook = hook
+
+
+def pause() -> None:
+    """Called by a learner's long computations (the GP's fit, once per
+    optimizer step): learnd's loop is one thread, and a fit that takes
+    seconds on a loaded machine would keep every request waiting that long.
+    The hook must not touch the learner computing."""
+    global _pause_last
+    if _pause_hook is None:
+        return
+    import time
+    now = time.monotonic()
+    if now - _pause_last >= PAUSE_EVERY_S:
+        _pause_last = now
+        _pause_hook()
 
 
 def _churn(w: Window) -> np.ndarray:

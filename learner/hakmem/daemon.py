@@ -73,7 +73,7 @@ def raise_nofile(want: int = NOFILE_WANT) -> int:
             soft = goal
         except (OSError, ValueError):
             pass
-    return int(soft if soft != resource.RLIM_INFINITY else want)
+    return int(soft) if soft != resource.RLIM_INFINITY else NOFILE_WANT
 
 
 def where(e: BaseException) -> str:

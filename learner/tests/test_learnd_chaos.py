@@ -84,7 +84,7 @@ class World:
         self.programs.append(name)
         return name
 
-    def cli(self, *args, timeout=60):
+    def cli(self, *args, timeout=90):
         return subprocess.run([*HAKMEM, *map(str, args), "--run-dir", self.run_dir, "--db", self.db],
                               capture_output=True, text=True, cwd=ROOT, timeout=scaled(timeout), env=clean_env())
 

@@ -18,7 +18,9 @@ from ..store import StoreError
 from .common import _fail, _out_json, _span, _table, _when
 
 ERRORS = (RingError, ControlError, StoreError)      # what main() reports as one line
-CLIENT_TIMEOUT_S = 5.0     # learnd answered a status already; a busy turn may still take a while
+CLIENT_TIMEOUT_S = 5.0     # learnd answers what only reads within a turn's step (control.Server) ...
+CLIENT_WRITE_TIMEOUT_S = 60.0   # ... and a pin, unpin or import at the end of its turn, which a learner's
+                                # computation on a loaded machine can make seconds long
 
 
 @contextlib.contextmanager
@@ -27,7 +29,7 @@ def _backend(args, write=False, create=False):
     (read-only unless write; create: a missing database is made)."""
     run_dir = os.path.abspath(args.run_dir or default_run_dir())
     if is_running(run_dir):
-        with Client(run_dir, timeout=CLIENT_TIMEOUT_S) as c:
+        with Client(run_dir, timeout=CLIENT_WRITE_TIMEOUT_S if write else CLIENT_TIMEOUT_S) as c:
             yield ClientBackend(c), True
         return
     db = os.path.abspath(args.db or default_db())

@@ -235,6 +235,7 @@ replay: $(BUILD)/hakmem-replay ## build the trace replayer (build/hakmem-replay)
 tests: all $(REL_TESTS) $(DBG_TESTS) $(BUILD)/debug/tests/vgcheck_bugs $(BUILD)/learner/workload $(BUILD)/learner/counted bench-build bpf $(BUILD)/learner/kernel_ops $(BUILD)/hakmem-replay ## build the C/C++ test programs, the workloads and the benchmarks
 
 test: deps tests ## install what tests need, build, run every test (C, stress, real programs, memcheck)
+	$(Q)$(PYTHON3) tools/mutate.py --check
 	$(Q)BUILD=$(BUILD) $(TST_DIR)/run.sh
 
 .PHONY: mutate

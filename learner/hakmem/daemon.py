@@ -52,7 +52,8 @@ from .store import Store, StoreError, program_key
 
 PENDING_MAX = 200_000          # rows kept in memory while the store cannot be written
 UNTAKEN_CAPTURE_S = 60.0       # a finished capture nobody took in this long is abandoned (sweep_captures)
-SLOW_TURN_S = 0.5              # a turn longer than this keeps requests waiting: said in the log
+SLOW_TURN_S = 0.5              # a turn longer than this keeps requests waiting: said in the log once a minute
+STALL_TURN_S = 2.0             # ... and one longer than this every time, with the parts that took it
 NOFILE_WANT = 65536            # descriptors learnd asks for (soft RLIMIT_NOFILE, up to the hard limit)
 FD_RESERVE = 256               # kept for learnd's own work: its database, sockets, directory listings,
                                # hakmem-bpf, a screening's replays (3 pipes each, 24 at once) and copies
@@ -236,6 +237,7 @@ class Daemon:
         self.screen_off: str | None = None   # why screening cannot run here (no replayer), said once
         self.internal_errors = 0             # failures caught by guard(): each a bug, each contained
         self.slow_turns = 0                  # turns longer than SLOW_TURN_S (said once a minute)
+        self.turn_parts: dict[str, float] = {}   # this turn's seconds, by part (guard's `what`)
         self.next_slow_note = 0.0
         self.fd_budget(raise_nofile(0))      # main() raises the limit first; here it is only read
         self.by_uid: dict[int, int] = {}     # processes tracked per owner (each holds a descriptor)
@@ -395,6 +397,7 @@ class Daemon:
         expected failure is handled where it happens); it is logged in one
         line, counted (status, metrics), and the program it belongs to stops
         learning (_fault) until its processes restart; learnd goes on."""
+        t0 = time.monotonic()
         try:
             yield
         except Exception as e:
@@ -404,6 +407,13 @@ class Daemon:
                 self.log("error", f"internal error while {what} ({why}); going on")
             else:
                 self._fault(prog, what, why)
+        finally:
+            self._took(f"{what} {os.path.basename(prog.exe)}" if prog is not None else what, t0)
+
+    def _took(self, what: str, t0: float):
+        """Adds the time since t0 to this turn's part `what`: a slow turn's
+        warning names the parts that took it."""
+        self.turn_parts[what] = self.turn_parts.get(what, 0.0) + time.monotonic() - t0
 
     def _fault(self, prog: Program, what: str, why: str):
         """Ends what the program was doing: its screening is closed, its
@@ -1011,6 +1021,7 @@ class Daemon:
     def turn(self, wait=True):
         """One turn: whatever is due, then wait for the next deadline or a request."""
         now = self.clock.monotonic()
+        self.turn_parts = {}
         with self.guard(None, "checking the lease"):
             self.check_lease(now)
         if self.kernel is not None:
@@ -1034,8 +1045,11 @@ class Daemon:
                         self.metrics.publish(self)
             self.window_start = now
             self.next_sample = now + self.cfg.sample_period
+            t0 = time.monotonic()
             self.writes.flush()
+            self._took("writing to the store", t0)
         if now >= self.next_retain:
+            t0 = time.monotonic()
             self.next_retain = now + self.cfg.retain_every
             if self.writes.flush():
                 try:
@@ -1048,15 +1062,19 @@ class Daemon:
                     self.internal_errors += 1
                     self.log("error", f"internal error in retention ({type(e).__name__}: {e} at {where(e)}); "
                                       f"postponed")
+            self._took("retention", t0)
         self.turns += 1
         took = self.clock.monotonic() - now
         if took > SLOW_TURN_S:
             # Requests that change a program waited this long (those that
             # only read are answered inside a learner's long computations).
             self.slow_turns += 1
-            if now >= self.next_slow_note:
+            if now >= self.next_slow_note or took >= STALL_TURN_S:   # a stall is always said
                 self.next_slow_note = now + 60.0
-                self.log("warning", f"a turn took {took:.2f} s ({self.slow_turns} turns over {SLOW_TURN_S:g} s so far)")
+                parts = sorted(self.turn_parts.items(), key=lambda kv: -kv[1])[:3]
+                most = ", ".join(f"{what} {t:.2f} s" for what, t in parts if t >= 0.05)
+                self.log("warning", f"a turn took {took:.2f} s ({self.slow_turns} turns over {SLOW_TURN_S:g} s so far)"
+                                    + (f"; longest: {most}" if most else ""))
         if self.rep is not None:
             from . import control
             self.control.serve()

@@ -383,6 +383,56 @@ def test_random_interleavings_of_exits_pins_imports_and_screenings_never_end_lea
           f"to their end, {statuses} status answers, {quiet} quiet points; learnd lived and stayed consistent")
 
 
+# ---- a stall says where it was --------------------------------------------------------
+def test_a_stalled_turn_is_logged_with_the_parts_that_took_it(tmp_path, monkeypatch):
+    """A turn long enough to keep requests waiting (the walk's failures were
+    status going unanswered for 5 s) is logged every time, not once a
+    minute, naming its longest parts: here one program's sampling, made
+    slow on purpose, must be named with its program."""
+    import io
+    from hakmem import daemon as D
+    from hakmem.config import load
+    from hakmem.store import Store
+    from conftest import ring_path
+    slow = tmp_path / "slowpoke"
+    shutil.copy2(WORKLOAD, slow)
+    cfg = load(None, db=str(tmp_path / "l.db"), shm_dir=str(tmp_path / "shm"), run_dir=str(tmp_path / "run"),
+               sample_period=0.2, learner="static", screen=False)
+    out = io.StringIO()
+    store = Store(cfg.db)
+    d = D.Daemon(cfg, D.Log(True, stream=out), store)
+    d.prepare_dirs()
+    orig_priced = D.Daemon._priced
+    stalls = []
+
+    def priced(self, prog, w):
+        if len(stalls) < 2 and self.turns not in stalls:   # one stall in each of two turns
+            stalls.append(self.turns)
+            time.sleep(D.STALL_TURN_S + 0.1)
+        return orig_priced(self, prog, w)
+    monkeypatch.setattr(D.Daemon, "_priced", priced)
+    p = subprocess.Popen([str(slow), "burst", "64", "4000", str(scaled(6))],
+                         env=clean_env(LD_PRELOAD=str(LIB), HAKMEM_SHM_DIR=cfg.shm_dir),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ring_path(cfg.shm_dir, p.pid)
+        end = time.monotonic() + scaled(10)
+        while len(stalls) < 2 and time.monotonic() < end:
+            d.turn(wait=False)
+            time.sleep(0.02)
+        d.turn(wait=False)
+        log = out.getvalue()
+        said = [ln for ln in log.splitlines() if "a turn took" in ln]
+        assert len(stalls) == 2 and len(said) == 2, log   # both, though within a minute
+        assert all("longest: sampling slowpoke 2." in ln for ln in said), said
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        d.close()
+        store.close()
+
+
 # ---- the guard itself: a bug in one program's work -------------------------------------
 def test_a_bug_in_one_programs_work_stops_that_work_and_nothing_else(tmp_path, monkeypatch):
     """The walk above asserts that no guard fired; this one makes one fire.

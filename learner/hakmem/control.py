@@ -4,7 +4,8 @@ backend.py's.
 
 Two local sockets in the run directory (config.default_run_dir):
 
-    control.sock  REQ/REP: one pb.Request, one pb.Reply (proto/hakmem.proto)
+    control.sock  REQ/ROUTER: one pb.Request, one pb.Reply (proto/hakmem.proto);
+                  learnd's ROUTER may answer clients out of order (Server)
     events.sock   PUB: two frames per event, the kind (utf-8: the topic a
                   subscriber filters on, by prefix) and the serialized pb.Event
 
@@ -23,6 +24,7 @@ Contract:
 """
 from __future__ import annotations
 
+import collections
 import fcntl
 import os
 import stat
@@ -143,7 +145,7 @@ def lock_run_dir(run_dir) -> int:
 
 
 def bind(ctx: zmq.Context, run_dir) -> tuple[zmq.Socket, zmq.Socket]:
-    """learnd's (REP, PUB) sockets, bound in run_dir (see the contract above):
+    """learnd's (ROUTER, PUB) sockets, bound in run_dir (see the contract above):
     socket files already there are a killed learnd's and are replaced, so
     the caller holds the run directory's lock (lock_run_dir)."""
     run_dir = os.path.abspath(run_dir)
@@ -155,7 +157,7 @@ def bind(ctx: zmq.Context, run_dir) -> tuple[zmq.Socket, zmq.Socket]:
             pass
         except OSError as e:
             raise ControlError(f"cannot remove the stale {path}: {e.strerror}") from None
-    rep = ctx.socket(zmq.REP)
+    rep = ctx.socket(zmq.ROUTER)
     pub = ctx.socket(zmq.PUB)
     for s in (rep, pub):
         s.setsockopt(zmq.LINGER, 0)
@@ -292,6 +294,11 @@ def _one_line(e) -> str:
 MUTATING = frozenset({"policy_pin", "policy_unpin", "policy_import"})
 
 
+# Changes kept for the turn's end at most; past that a change is refused
+# at once ("busy"), so a flood of them cannot grow learnd's memory.
+KEPT_MAX = 64
+
+
 class Server:
     """learnd's side of the control socket. serve() answers what is waiting;
     serve(readonly=True) is called from inside a long computation of a
@@ -299,12 +306,15 @@ class Server:
     machine, and `hakmem status` gives up after 5): it answers what only
     reads, and a request that would change a program (a pin, whose learner
     may be the one computing) is kept, unanswered, until the next serve()
-    between turns. REP takes no new request before the kept one's reply, so
-    nothing overtakes it."""
+    between turns, which answers the kept ones first, in the order they
+    came. The socket is a ROUTER, so a kept change holds up only the client
+    that sent it: a status from another client is answered meanwhile (with
+    REP, which takes no request before the last one's reply, one pin during
+    a 10 s fit left every status behind it unanswered)."""
 
-    def __init__(self, rep: zmq.Socket, backend: Backend):
-        self.rep, self.backend = rep, backend
-        self.kept: pb.Request | None = None
+    def __init__(self, sock: zmq.Socket, backend: Backend):
+        self.sock, self.backend = sock, backend
+        self.kept: collections.deque[tuple[list[bytes], pb.Request]] = collections.deque()
         self.serving = False
 
     def serve(self, max_requests: int = 16, readonly: bool = False) -> int:
@@ -320,34 +330,51 @@ class Server:
 
     def _serve(self, max_requests, readonly):
         n = 0
-        while n < max_requests:
-            if self.kept is not None:
-                if readonly:
-                    break
-                req, self.kept = self.kept, None
-            else:
-                try:
-                    frames = self.rep.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    req = _parse(frames)
-                except ControlError as e:
-                    n += 1
-                    self._reply(pb.Reply(ok=False, error=_one_line(e)))
-                    continue
-                if readonly and req.WhichOneof("body") in MUTATING:
-                    self.kept = req
-                    break
+        while self.kept and not readonly and n < max_requests:
+            env, req = self.kept.popleft()
             n += 1
-            self._reply(answer(self.backend, req))
+            self._reply(env, answer(self.backend, req))
+        while n < max_requests:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            env, body = _envelope(frames)
+            if env is None:
+                continue                 # not from a REQ socket: there is no one to answer
+            try:
+                req = _parse(body)
+            except ControlError as e:
+                n += 1
+                self._reply(env, pb.Reply(ok=False, error=_one_line(e)))
+                continue
+            if readonly and req.WhichOneof("body") in MUTATING:
+                if len(self.kept) < KEPT_MAX:
+                    self.kept.append((env, req))
+                    continue
+                n += 1
+                self._reply(env, pb.Reply(ok=False, error="learnd is busy: too many changes wait for its "
+                                                          "turn's end; try again"))
+                continue
+            n += 1
+            self._reply(env, answer(self.backend, req))
         return n
 
-    def _reply(self, reply: pb.Reply):
+    def _reply(self, env: list[bytes], reply: pb.Reply):
         try:
-            self.rep.send(reply.SerializeToString(), zmq.NOBLOCK)
+            self.sock.send_multipart([*env, reply.SerializeToString()], zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass                        # the client has gone; REP drops the reply itself
+            pass                        # the client has gone; ROUTER drops what it cannot route
+
+
+def _envelope(frames: list[bytes]) -> tuple[list[bytes] | None, list[bytes]]:
+    """A ROUTER's message from a REQ socket: the envelope (the peer's
+    identity, then an empty frame) and the body after it. (None, []) when
+    there is no empty frame: not a REQ peer, nothing to answer to."""
+    for i, f in enumerate(frames[:8]):
+        if f == b"":
+            return frames[:i + 1], frames[i + 1:]
+    return None, []
 
 
 def _parse(frames) -> pb.Request:
@@ -369,10 +396,10 @@ def answer(backend: Backend, req: pb.Request) -> pb.Reply:
         return pb.Reply(ok=False, error=f"internal error: {type(e).__name__}: {_one_line(e)}")
 
 
-def serve(rep: zmq.Socket, backend: Backend, max_requests: int = 16) -> int:
-    """Answers every request waiting on rep (up to max_requests) without
-    blocking; returns how many. Never raises because of a request."""
-    return Server(rep, backend).serve(max_requests)
+def serve(sock: zmq.Socket, backend: Backend, max_requests: int = 16) -> int:
+    """Answers every request waiting on learnd's socket (up to max_requests)
+    without blocking; returns how many. Never raises because of a request."""
+    return Server(sock, backend).serve(max_requests)
 
 
 # ---- the client side --------------------------------------------------------------

@@ -673,9 +673,10 @@ def test_serve_answers_what_waits_and_survives_internal_errors(db, run_dir):
 
 def test_a_server_inside_a_computation_answers_reads_and_keeps_changes_for_later(db, run_dir):
     """learnd answers between the steps of a learner's long computation
-    (control.Server.serve(readonly=True)): what only reads is answered then;
-    a request that changes a program (here a pin) is kept, unanswered, and
-    nothing overtakes it, until the serve() between turns answers it first."""
+    (control.Server.serve(readonly=True)): what only reads is answered then,
+    also when it came after a request that changes a program (here a pin),
+    which is kept, unanswered, until the serve() between turns answers it
+    first; past control.KEPT_MAX kept changes, a change is refused at once."""
     ctx = zmq.Context.instance()
     rep, pub = control.bind(ctx, run_dir)
     store = Store(db[0])
@@ -696,16 +697,32 @@ def test_a_server_inside_a_computation_answers_reads_and_keeps_changes_for_later
         wait_for(lambda: rep.poll(0) or server.kept, what="the pin")
         assert server.serve(readonly=True) == 0 and server.kept is not None, "the pin kept, not answered"
         c = client(pb.Request(status=pb.StatusRequest()))
-        time.sleep(scaled(0.1))           # it waits behind the pin: REP reads nothing before that reply
-        assert server.serve(readonly=True) == 0
-        assert not b.poll(0) and not c.poll(0)
+        assert wait_for(lambda: server.serve(readonly=True), what="the status behind the pin") == 1
+        assert c.poll(5000) and not b.poll(0), "the status answered, the pin still kept"
         assert store.find_program("fakeprog")["pinned_policy"] is None, "not pinned before its turn"
-        assert wait_for(lambda: server.serve(), what="the pin, then the status") >= 1
-        for sock in (a, b, c):
+        assert server.serve() == 1 and not server.kept, "the kept pin answered first between turns"
+        for sock in (a, b):
             assert sock.poll(5000)
         replies = [pb.Reply.FromString(sock.recv()) for sock in (a, b, c)]
         assert all(r.ok for r in replies), replies
         assert replies[1].policies[0].pinned and replies[1].policies[0].version == 2
+        # A flood of changes inside a computation: KEPT_MAX kept, the rest refused at once.
+        flood = [client(pb.Request(policy_unpin=pb.PolicyUnpinRequest(program="fakeprog")))
+                 for _ in range(control.KEPT_MAX + 3)]
+        refused = [0]
+
+        def refusals():   # serve(readonly=True) answers nothing here but the refusals
+            refused[0] += server.serve(readonly=True)
+            return refused[0] >= 3
+        wait_for(refusals, what="three changes refused")
+        busy = wait_for(lambda: (lambda b: b if len(b) >= 3 else None)([k for k in flood if k.poll(0)]),
+                        what="the refusals' replies")
+        assert len(server.kept) == control.KEPT_MAX and len(busy) == 3, (len(server.kept), len(busy))
+        assert all("busy" in pb.Reply.FromString(sock.recv()).error for sock in busy)
+        served = 0
+        while served < control.KEPT_MAX:
+            served += server.serve(max_requests=1000)
+        assert all(sock.poll(5000) for sock in flood if sock not in busy)
         # A serve inside a serve (a learner computing inside an answer) answers nothing.
         server.serving = True
         d = client(pb.Request(status=pb.StatusRequest()))

@@ -28,6 +28,7 @@ import collections
 import fcntl
 import os
 import stat
+import time
 from typing import TYPE_CHECKING
 
 import zmq
@@ -316,6 +317,7 @@ class Server:
         self.sock, self.backend = sock, backend
         self.kept: collections.deque[tuple[list[bytes], pb.Request]] = collections.deque()
         self.serving = False
+        self.spent: dict[str, float] = {}   # seconds by "answering <kind>" (learnd's slow-turn log)
 
     def serve(self, max_requests: int = 16, readonly: bool = False) -> int:
         """Answers requests waiting on the socket (up to max_requests)
@@ -333,7 +335,7 @@ class Server:
         while self.kept and not readonly and n < max_requests:
             env, req = self.kept.popleft()
             n += 1
-            self._reply(env, answer(self.backend, req))
+            self._answer(env, req)
         while n < max_requests:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -357,8 +359,14 @@ class Server:
                                                           "turn's end; try again"))
                 continue
             n += 1
-            self._reply(env, answer(self.backend, req))
+            self._answer(env, req)
         return n
+
+    def _answer(self, env: list[bytes], req: pb.Request):
+        t0 = time.monotonic()
+        self._reply(env, answer(self.backend, req))
+        what = f"answering {req.WhichOneof('body')}"
+        self.spent[what] = self.spent.get(what, 0.0) + time.monotonic() - t0
 
     def _reply(self, env: list[bytes], reply: pb.Reply):
         try:

@@ -228,6 +228,7 @@ class Daemon:
         self.next_retain = clock.monotonic() + cfg.retain_every
         self.window_start = clock.monotonic()
         self.rep = self.pub = self.zctx = None
+        self.control = None                  # control.Server on self.rep (bind_sockets)
         self.lease: Lease | None = None
         self.next_lease_check = 0.0
         self.fatal: str | None = None        # why the loop stopped on its own
@@ -1022,6 +1023,8 @@ class Daemon:
         """One turn: whatever is due, then wait for the next deadline or a request."""
         now = self.clock.monotonic()
         self.turn_parts = {}
+        if self.control is not None:
+            self.control.spent = {}
         with self.guard(None, "checking the lease"):
             self.check_lease(now)
         if self.kernel is not None:
@@ -1064,6 +1067,10 @@ class Daemon:
                                       f"postponed")
             self._took("retention", t0)
         self.turns += 1
+        if self.rep is not None:
+            self.control.serve()
+            for what, t in self.control.spent.items():   # here and in a learner's pauses
+                self.turn_parts[what] = self.turn_parts.get(what, 0.0) + t
         took = self.clock.monotonic() - now
         if took > SLOW_TURN_S:
             # Requests that change a program waited this long (those that
@@ -1075,9 +1082,6 @@ class Daemon:
                 most = ", ".join(f"{what} {t:.2f} s" for what, t in parts if t >= 0.05)
                 self.log("warning", f"a turn took {took:.2f} s ({self.slow_turns} turns over {SLOW_TURN_S:g} s so far)"
                                     + (f"; longest: {most}" if most else ""))
-        if self.rep is not None:
-            from . import control
-            self.control.serve()
         if wait:
             timeout = max(0.0, min(self.next_discover, self.next_sample) - self.clock.monotonic())
             if self.rep is not None:

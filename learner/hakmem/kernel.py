@@ -37,6 +37,7 @@ CAP_PERFMON, CAP_BPF = 38, 39
 EXIT_WHY = {3: "not permitted", 4: "no kernel BTF", 5: "tracefs not mounted"}
 BACKOFF_MIN, BACKOFF_MAX, STABLE_S = 0.5, 30.0, 60.0
 INTERVAL_MS = 250
+DRAIN_MAX = 64                 # KernelSamples read a turn at most (also the socket's RCVHWM)
 
 
 def find_loader() -> str | None:
@@ -146,7 +147,7 @@ class KernelSource:
         try:
             self.sock = self.zctx.socket(zmq.PULL)
             self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.setsockopt(zmq.RCVHWM, 64)
+            self.sock.setsockopt(zmq.RCVHWM, DRAIN_MAX)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -274,7 +275,10 @@ class KernelSource:
         import zmq
         from ._pb import hakmem_pb2 as pb
         n = len(L.KERNEL_COUNTERS)
-        while True:
+        # At most a socket's worth a turn (RCVHWM): the counters are
+        # cumulative, so what waits for the next turn loses nothing, and a
+        # backlog (the loader's own queue behind ours) never holds up a turn.
+        for _ in range(DRAIN_MAX):
             try:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -42,6 +42,7 @@ from . import __version__
 from . import layout as L
 from .cli.common import printable
 from .config import Config, ConfigError, load
+from .learners.base import pause
 from .learning import Context, Decision, Evaluation, Window, canonical, same
 from .objective import Prices, default_objective, window_time_cost
 from .discovery import Candidate, Directory
@@ -898,6 +899,7 @@ class Daemon:
                 continue
             with self.guard(prog, "sampling"):
                 self._sample_program(prog, t0_mono, t1_mono, t0_wall, t1_wall)
+            pause()   # reads answered between programs too, not only inside a learner's computations
 
     def _sample_program(self, prog: Program, t0_mono, t1_mono, t0_wall, t1_wall):
         parts = []
@@ -1025,6 +1027,9 @@ class Daemon:
         self.turn_parts = {}
         if self.control is not None:
             self.control.spent = {}
+            # What woke the wait at the last turn's end is answered first, not
+            # after this turn's work (seconds, on a loaded machine).
+            self.control.serve()
         with self.guard(None, "checking the lease"):
             self.check_lease(now)
         if self.kernel is not None:
@@ -1040,6 +1045,7 @@ class Daemon:
                 with self.guard(p.program, "looking at its process"):
                     self.rss_tick(p)
                     self._confirm(p, now)
+                pause()
         if now >= self.next_sample:
             if self.turns:
                 self.sample(self.window_start, now)

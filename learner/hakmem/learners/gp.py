@@ -15,6 +15,7 @@ import numpy as np
 from ..knobs import Knobs
 from ..learning import Context, Decision, Evaluation, Prior, Window, digest, same
 from ..objective import format_size
+from .base import pause
 from .paired import Block, Paired, choose_block
 from .base import Reporting, _active, _Meter, _mean_windows, _pct, _push, _rate, _Run, _start_decision
 from .space import PolicySpace
@@ -641,6 +642,7 @@ class GPLearner(Reporting):
         out: list[_Cand] = []
 
         def add(x: np.ndarray, score: float = 0.0, why: str = "") -> None:
+            pause()   # each candidate is milliseconds of Python, seconds in all on a loaded machine
             k = sp.to_knobs(x)
             dg = digest(k)
             if dg in seen:

@@ -699,6 +699,7 @@ class Daemon:
         if prog.screen is not None:          # a screening started for a learner that is replaced now
             scr, prog.screen = prog.screen, None
             scr.close()
+            self.log("info", f"{os.path.basename(prog.exe)}: its screening ended with the learner it was for")
         over = self.cfg.for_program(prog.exe)
         prog.objective = self._objective_for(prog, p.pid)
         explore = self.cfg.explore if over.explore is None else over.explore

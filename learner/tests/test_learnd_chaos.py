@@ -433,6 +433,33 @@ def test_a_stalled_turn_is_logged_with_the_parts_that_took_it(tmp_path, monkeypa
         store.close()
 
 
+def test_learnd_loads_the_gps_libraries_before_it_says_it_is_ready(tmp_path):
+    """A CI walk failed on status unanswered for 5 s: the first proposal the
+    GP made from a surface imported scikit-learn inside a turn (8.3 s with
+    the walk's workloads on both cores, under a profiler). The Daemon loads
+    them when it is made, before main() says ready; a static learnd does not
+    pay for them. In a fresh interpreter: this one has long loaded them."""
+    code = f"""
+import sys
+from hakmem import daemon as D
+from hakmem.config import load
+from hakmem.store import Store
+libs = ("sklearn.gaussian_process", "scipy.optimize", "scipy.special")
+before = [m for m in libs if m in sys.modules]
+cfg = load(None, db={str(tmp_path / "l.db")!r}, shm_dir={str(tmp_path / "shm")!r}, run_dir={str(tmp_path / "run")!r},
+           learner=sys.argv[1], screen=False)
+D.Daemon(cfg, D.Log(False), Store(cfg.db))
+print(before, [m for m in libs if m in sys.modules])
+"""
+    env = clean_env(PYTHONPATH=str(ROOT / "learner"))
+    for learner, want in (("gp", "[] ['sklearn.gaussian_process', 'scipy.optimize', 'scipy.special']"),
+                          ("static", "[] []")):
+        r = subprocess.run([sys.executable, "-c", code, learner], capture_output=True, text=True, env=env,
+                           timeout=scaled(60))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want, (learner, r.stdout)
+
+
 # ---- the guard itself: a bug in one program's work -------------------------------------
 def test_a_bug_in_one_programs_work_stops_that_work_and_nothing_else(tmp_path, monkeypatch):
     """The walk above asserts that no guard fired; this one makes one fire.

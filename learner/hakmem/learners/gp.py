@@ -100,6 +100,17 @@ class GPLearner(Reporting):
 
     name = "gp"
 
+    @staticmethod
+    def preload() -> None:
+        """Imports what the surface needs. scikit-learn and SciPy take 0.8 s
+        to load on this machine unloaded, and 5-8 s with its two cores busy,
+        in one piece nothing can pause: the chaos walk's status went
+        unanswered for 5 s in the turn of the first proposal made from a
+        surface. learnd loads them before it says it is ready."""
+        import scipy.optimize  # noqa: F401
+        import scipy.special  # noqa: F401
+        import sklearn.gaussian_process  # noqa: F401
+
     def __init__(self, params: GPParams | None = None, **overrides):
         """GPLearner(), GPLearner(GPParams(...)), or GPParams' fields as
         keywords: GPLearner(seed=3)."""

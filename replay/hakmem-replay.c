@@ -963,7 +963,8 @@ static void print_text(run_t* runs, int n) {
 static void usage(FILE* f) {
   fprintf(f,
     "usage: hakmem-replay [--policy FILE | --policy-fd N] [--repeat N] [--partial] [--touch pages|none]\n"
-    "                     [--pace idle|none] [--gate FILE | --gate-fd N] [--json] TRACE | --trace-fd N\n"
+    "                     [--pace idle|none] [--gate FILE | --gate-fd N] [--nice N] [--cpus LIST] [--json]\n"
+    "                     TRACE | --trace-fd N\n"
     "\n"
     "Replays an allocation trace (HAKMEM_TRACE, `hakmem trace record`) through hakmem under a fixed\n"
     "policy and reports time, peak resident memory, page faults, OS calls and the allocator's counters.\n"
@@ -990,6 +991,8 @@ static void usage(FILE* f) {
     "                  thread waits while it is, at most 2 s at a time, and the waits are kept out of the\n"
     "                  pacing, the mean resident memory and the slow-path time (held_s reports them)\n"
     "  --gate-fd N     the same from descriptor N, open and inherited, mapped read-only and shared\n"
+    "  --nice N        run at niceness N (0-19), the runs too; set before anything else is done\n"
+    "  --cpus LIST     run on these CPUs only (\"2-3,6\"), the runs too\n"
     "  --json          one JSON document on stdout\n"
     "  --trace-fd N    the trace from descriptor N instead of TRACE: open and inherited (a regular\n"
     "                  file: a memfd counts), read from offset 0 and never reopened by a name; named\n"
@@ -1020,8 +1023,34 @@ static void check_fd(const char* opt, int fd) {
   if (!S_ISREG(st.st_mode)) die(2, "%s %d: not a regular file", opt, fd);
 }
 
+/* --cpus LIST: "0-3,6" into a CPU set; a CPU out of range or an empty
+ * list is bad usage. */
+static void parse_cpus(const char* s, cpu_set_t* set) {
+  CPU_ZERO(set);
+  const char* p = s;
+  for (;;) {
+    char* end;
+    errno = 0;
+    long lo = strtol(p, &end, 10), hi = lo;
+    if (end == p || errno || lo < 0) break;
+    p = end;
+    if (*p == '-') {
+      hi = strtol(++p, &end, 10);
+      if (end == p || errno || hi < lo) break;
+      p = end;
+    }
+    if (hi >= CPU_SETSIZE) break;
+    for (long c = lo; c <= hi; c++) CPU_SET((int)c, set);
+    if (*p == 0) return;
+    if (*p++ != ',') break;
+  }
+  die(2, "--cpus: expected a list such as 0-3,6 (CPUs below %d), not '%s'", CPU_SETSIZE, s);
+}
+
 int main(int argc, char** argv) {
   int run_fd = -1;
+  int nice_to = -1;
+  const char* cpus_arg = NULL;
   for (int i = 1; i < argc; i++) {
     const char* a = argv[i];
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
@@ -1051,10 +1080,33 @@ int main(int argc, char** argv) {
       long v = strtol(argv[++i], &end, 10);
       if (*end || v < 1 || v > MAX_REPEAT) die(2, "--repeat: expected 1 to %d, not '%s'", MAX_REPEAT, argv[i]);
       repeat = (int)v;
+    } else if (!strcmp(a, "--nice") && i + 1 < argc) {
+      char* end;
+      long v = strtol(argv[++i], &end, 10);
+      if (*end || end == argv[i] || v < 0 || v > 19) die(2, "--nice: expected 0 to 19, not '%s'", argv[i]);
+      nice_to = (int)v;
+    } else if (!strcmp(a, "--cpus") && i + 1 < argc) {
+      cpus_arg = argv[++i];
     } else if (!strcmp(a, "--run-fd") && i + 1 < argc) run_fd = atoi(argv[++i]);
     else if (a[0] == '-' && a[1]) die(2, "unknown option '%s' (see --help)", a);
     else if (!trace_path) trace_path = a;
     else die(2, "one trace at a time ('%s' and '%s')", trace_path, a);
+  }
+  /* learnd's errand, not the program's: the caller asks for a low
+   * priority here, not in its own thread before the fork (a Python thread
+   * niced to 19 that holds the GIL through a fork on busy CPUs stalled
+   * learnd's loop for seconds). Set while this is the only thread; the runs
+   * inherit both. */
+  if (cpus_arg) {
+    cpu_set_t set;
+    parse_cpus(cpus_arg, &set);
+    if (sched_setaffinity(0, sizeof set, &set) != 0) die(2, "--cpus %s: %s", cpus_arg, strerror(errno));
+  }
+  if (nice_to >= 0) {
+    errno = 0;
+    int now = getpriority(PRIO_PROCESS, 0);          /* never raised back: already nicer is nice enough */
+    if ((errno != 0 || now < nice_to) && setpriority(PRIO_PROCESS, 0, nice_to) != 0)
+      die(2, "--nice %d: %s", nice_to, strerror(errno));
   }
   /* Dies with its parent (a run is set so by the replay before its exec,
    * which keeps it). The parent seen before the prctl is the one watched:

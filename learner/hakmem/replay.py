@@ -123,7 +123,8 @@ def sealed_copy(name: str, data: bytes) -> int:
 
 
 def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replayer=None, timeout=None,
-                 user: int | None = None, gate=None, runner: Runner | None = None, label: str | None = None) -> dict:
+                 user: int | None = None, gate=None, runner: Runner | None = None, label: str | None = None,
+                 nice: int | None = None, cpus=None) -> dict:
     """One replay: the replayer's --json output as a dict. trace: a path, or
     a descriptor (int) the replayer reads without opening a name (learnd's
     private copy, sealed_copy). policy: the knobs to set (a partial dict;
@@ -131,7 +132,9 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
     uid to run the replayer as (root only). gate: a path or a descriptor
     whose first byte holds the replay while nonzero (screen.Gate). runner:
     the owner's Runner (its stop() ends this replay); label: the trace's
-    name in messages (default: the path)."""
+    name in messages (default: the path). nice, cpus: the niceness (0-19)
+    and the CPUs the replayer and its runs take, set by the replayer itself
+    (the calling thread keeps its own)."""
     exe = replayer or find_replayer()
     runner = runner or Runner()
     label = label or str(trace)
@@ -151,6 +154,10 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
             fds.append(pfd)
             argv += ["--policy-fd", str(pfd)]
         argv += ["--repeat", str(int(repeat)), "--json"]
+        if nice is not None:
+            argv += ["--nice", str(int(nice))]
+        if cpus:
+            argv += ["--cpus", ",".join(str(int(c)) for c in sorted(cpus))]
         if partial:
             argv.append("--partial")
         if isinstance(gate, int):
@@ -168,9 +175,9 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
         # Its own session: the terminal's Ctrl-C is the caller's to handle
         # (below); the replayer dies with its parent all the same
         # (PR_SET_PDEATHSIG), so a killed caller leaves no replay behind.
-        # Not under runner.lock: a replay started at nice 19 on a machine
-        # whose CPUs are taken may wait seconds for its exec, and stop()
-        # (learnd's loop, closing a screening) would wait as long for the lock.
+        # Not under runner.lock: on a machine whose CPUs are taken a replay
+        # may wait long for its exec, and stop() (learnd's loop, closing a
+        # screening) would wait as long for the lock.
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True, pass_fds=fds, **creds)
         with runner.lock:

@@ -74,6 +74,7 @@ ACK_WAIT_S = 10.0            # a process takes a request on its next allocation 
 GRACE_S = 10.0               # after the capture's seconds: the bound is checked at the next allocation or tick
 REPLAY_TIMEOUT_S = 120.0     # one replay; a trace of N seconds replays in about N
 STAGGER_S = 0.25            # replay k starts k times this late: side by side, their bursts would coincide
+REPLAY_NICE = 19            # replays take the CPUs the program leaves
 MEM_SHARE = 0.25             # replays at once hold at most this share of MemAvailable ...
 REPLAY_OVERHEAD = 32 << 20   # ... counting each as the traced process's RSS and this
 HOT_FACTORS = (4, 16)        # the hot classes' caps, times the default
@@ -562,7 +563,6 @@ class Screen:
         user = self.uid if os.geteuid() == 0 and self.uid != 0 else None
 
         jobs = self.jobs_run = self.jobs_for(len(pol))
-        niced = set()
         # Only an intermittent program has idle time to replay in; a busy
         # one would hold every replay for MAX_CLOSED_S out of two.
         gate = self.gate
@@ -579,21 +579,14 @@ class Screen:
             if self._stop.wait(i * STAGGER_S):
                 raise R.ReplayStopped(f"{self.label}: replays stopped")
             # The replays are learnd's errand, not the program's: at nice 19
-            # they take the CPUs the program leaves (Linux's nice is per
-            # thread, and a child takes its forking thread's).
-            tid = threading.get_native_id()
-            if tid not in niced:
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, tid, 19)
-                if cpus:
-                    # Per thread too (pid 0 is the calling thread), and the
-                    # replayer inherits it: see replay_cpus.
-                    with contextlib.suppress(OSError):
-                        os.sched_setaffinity(0, cpus)
-                niced.add(tid)
+            # they take the CPUs the program leaves. The replayer sets its
+            # niceness and CPUs itself: this thread, niced, held the GIL
+            # through the fork of a replay run as another user (no vfork
+            # then) on busy CPUs, and learnd's loop waited up to 1.5 s for
+            # it in a bench of that alone, seconds in the chaos walk.
             res = R.run_replayer(trace_fd, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
                                  timeout=REPLAY_TIMEOUT_S, user=user, gate=gate_fd if gate else None,
-                                 runner=self.runner, label=self.label)
+                                 runner=self.runner, label=self.label, nice=REPLAY_NICE, cpus=cpus)
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
         # The gate is closed in _cleanup, with the rest of the screening's
         # state, on every way out.

@@ -304,6 +304,15 @@ def gap_trace(path):
     w.close()
 
 
+def open_the_gate(p, gate):
+    """Opens the gate a replay (p) is held at; its one run once it ends."""
+    with open(gate, "r+b") as f:
+        f.write(b"\0")
+    out, err = p.communicate(timeout=scaled(30))
+    assert p.returncode == 0, err
+    return json.loads(out)["runs"][0]
+
+
 def test_a_closed_gate_holds_the_replay_before_it_reads_its_trace(tmp_path):
     """--gate (learnd's screening of an intermittent program): a replay
     started while the gate's byte is set does not load its trace (decoding
@@ -318,14 +327,10 @@ def test_a_closed_gate_holds_the_replay_before_it_reads_its_trace(tmp_path):
         time.sleep(0.7)
         assert p.poll() is None, "a closed gate held nothing: " + (p.stderr.read() if p.stderr else "")
         gap_trace(tr)         # written while the replay waits: it has not looked for it yet
-        with open(gate, "r+b") as f:
-            f.write(b"\0")
-        out, err = p.communicate(timeout=scaled(30))
+        run = open_the_gate(p, gate)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 0, err
-    run = json.loads(out)["runs"][0]
     assert run["ops"] == 200
     assert run["held_s"] < 0.2 and run["wall_s"] >= 0.28, run
     free = replay_json("--gate", gate, tr)["runs"][0]
@@ -344,6 +349,45 @@ def test_a_gate_nobody_opens_slows_a_replay_and_never_stops_it(tmp_path):
     run = replay_json("--gate", gate, tr)["runs"][0]
     assert run["ops"] == 2 and 3.8 <= run["held_s"] <= 5.5, run
     assert run["wall_s"] >= run["held_s"] + 0.28, "the trace's gap was eaten by the holds"
+
+
+def test_nice_and_cpus_are_the_replays_own_and_its_runs(tmp_path):
+    """learnd asks for --nice 19 and, beside an intermittent program, --cpus:
+    the replayer sets both on itself before it does anything, and its runs
+    inherit them (learnd's own threads stay as they were: a niced Python
+    thread holding the GIL through a fork stalled learnd's loop). Seen in
+    /proc while a closed gate holds the run. Out-of-range values are bad
+    usage, said in one line."""
+    tr, gate = tmp_path / "gap.trace", tmp_path / "gate"
+    gap_trace(tr)
+    gate.write_bytes(b"\1")
+    cpu = max(os.sched_getaffinity(0))
+    p = subprocess.Popen([str(REPLAY), "--json", "--nice", "19", "--cpus", str(cpu), "--gate", str(gate), str(tr)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+
+    def seen(pid):
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        cpus = [ln.split()[-1] for ln in open(f"/proc/{pid}/status") if ln.startswith("Cpus_allowed_list")][0]
+        return int(stat[16]), cpus              # field 19, nice
+
+    try:
+        def run_child():
+            kids = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+            return int(kids[0]) if kids else None
+        wait_for(run_child, 10, "the replay's run to start")
+        assert seen(p.pid) == (19, str(cpu))
+        assert seen(run_child()) == (19, str(cpu))
+        assert open_the_gate(p, gate)["ops"] == 200
+    finally:
+        if p.poll() is None:
+            p.kill()
+    for args, why in ((("--nice", "20"), "--nice: expected 0 to 19, not '20'"),
+                      (("--nice", "-1"), "--nice: expected 0 to 19"),
+                      (("--cpus", "3-1"), "--cpus: expected a list such as 0-3,6"),
+                      (("--cpus", "0,,1"), "--cpus: expected a list"),
+                      (("--cpus", "99999"), "--cpus: expected a list")):
+        r = replay(*args, tr, check=False)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
 
 
 @pytest.mark.parametrize("kind", ["link", "missing", "empty", "directory", "fifo"])

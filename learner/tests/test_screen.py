@@ -515,11 +515,12 @@ def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_o
     """Replays let out of the gate fault their memory in on every CPU at
     once and slow the program's next burst 4-5x (screen.replay_cpus): an
     intermittent program's replayers run on the upper half of learnd's
-    CPUs, a busy program's (no gate) where learnd may; learnd itself is
-    left where it was. On a machine with one CPU there is no half to keep
+    CPUs, a busy program's (no gate) where learnd may; learnd itself, its
+    threads that start the replays included, is left where it was and as
+    nice as it was (the replayer takes both itself). On a machine with one CPU there is no half to keep
     to: the replayers run where learnd does (the halving itself is the
     test above)."""
-    import subprocess
+    import threading
     import types
     import hakmem.replay as R
     import hakmem.screen as S
@@ -534,9 +535,14 @@ def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_o
     seen = []
 
     def fake_run(path, knobs, **kw):
-        # What a replayer started here runs on: the child's own view.
-        out = subprocess.run(["grep", "Cpus_allowed_list", "/proc/self/status"], capture_output=True, text=True)
-        seen.append(out.stdout.split()[-1])
+        # What the replayer is asked to take (it sets both itself:
+        # test_replayer), and the calling thread left as learnd's own: a
+        # niced thread holds the GIL through a slow fork.
+        tid = threading.get_native_id()
+        assert os.getpriority(os.PRIO_PROCESS, tid) == os.getpriority(os.PRIO_PROCESS, 0), "a niced learnd thread"
+        assert os.sched_getaffinity(0) == mine, "a learnd thread moved off learnd's CPUs"
+        assert kw.get("nice") == 19, kw
+        seen.append(listed(kw["cpus"]) if kw.get("cpus") else listed(mine))
         return {"runs": [{"counters": {"slow_ns": 1e6}, "minflt": 10, "os_calls": 1, "cpu_s": 0.01,
                           "user_s": 0.01, "mean_rss_bytes": 1 << 20}], "policy": {}}
     monkeypatch.setattr(R, "run_replayer", fake_run)

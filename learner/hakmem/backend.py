@@ -129,9 +129,12 @@ class StoreBackend:
         """Fills what the store does not know: state, in_force, objective.
         live_processes is already set from processes()."""
         msg.state = "pinned" if row.get("pinned_policy") else ""
-        evs = self.store.evaluations(row["id"], limit=1)
-        if evs:
-            msg.objective = evs[0]["objective"]
+        if "last_objective" in row:                  # Store.programs has it already
+            msg.objective = row["last_objective"] or ""
+        else:
+            evs = self.store.evaluations(row["id"], limit=1)
+            if evs:
+                msg.objective = evs[0]["objective"]
 
     def on_pin(self, program: dict, policy: dict) -> None:
         """Called after a pin is stored (program and policy: store rows).
@@ -156,8 +159,10 @@ class StoreBackend:
             if p.alive:
                 live[p.program] = live.get(p.program, 0) + 1
         out = []
-        for row in self.store.programs():
-            msg = program_to_pb(row, self.store)
+        rows = self.store.programs()
+        pols = self.store.policies_by_id([r[c] for r in rows for c in ("best_policy", "pinned_policy")])
+        for row in rows:
+            msg = program_to_pb(row, policies=pols)
             msg.live_processes = live.get(row["key"], 0)
             self.decorate_program(msg, row)
             out.append(msg)

@@ -367,9 +367,15 @@ class Store:
 
     # ---- reads ----------------------------------------------------------------
     def programs(self) -> list[dict]:
+        """Every program, with its processes counted and the objective of
+        its latest evaluation (last_objective), in one query: `hakmem
+        programs` on a learnd that has seen hundreds of programs made a few
+        queries each and kept status waiting seconds on a loaded machine."""
         rows = self.db.execute(
             "SELECT g.*, (SELECT count(*) FROM processes p WHERE p.program_id = g.id) AS processes_seen, "
-            "(SELECT count(*) FROM processes p WHERE p.program_id = g.id AND p.exited IS NULL) AS live "
+            "(SELECT count(*) FROM processes p WHERE p.program_id = g.id AND p.exited IS NULL) AS live, "
+            "(SELECT e.objective FROM evaluations e WHERE e.program_id = g.id ORDER BY e.t_end DESC LIMIT 1) "
+            "AS last_objective "
             "FROM programs g ORDER BY g.last_seen DESC").fetchall()
         return [_program(r) for r in rows]
 
@@ -423,6 +429,19 @@ class Store:
                             "WHERE p.id = ?",
                             (policy_id,)).fetchone()
         return _policy(r) if r else None
+
+    def policies_by_id(self, ids) -> dict[int, dict]:
+        """policy_by_id for many at once: {id: row} for those that exist."""
+        ids = sorted({int(i) for i in ids if i})
+        out: dict[int, dict] = {}
+        for k in range(0, len(ids), 500):          # SQLite's bound on a statement's parameters
+            part = ids[k:k + 500]
+            q = ("SELECT p.*, g.exe, g.build_id, g.users, g.best_policy = p.id AS best, g.pinned_policy = p.id "
+                 "AS pinned FROM policies p JOIN programs g ON g.id = p.program_id WHERE p.id IN "
+                 f"({','.join('?' * len(part))})")
+            for r in self.db.execute(q, part):
+                out[r["id"]] = _policy(r)
+        return out
 
     def policy_by_version(self, program_id, version) -> dict:
         r = self.db.execute("SELECT id FROM policies WHERE program_id = ? AND version = ?",

@@ -128,3 +128,40 @@ def test_read_export_refuses_a_file_cut_anywhere(backend):
 def test_status_from_the_store_alone(backend):
     st = backend.status()
     assert (st.running, st.pid, st.db_path, st.run_dir) == (False, 0, backend.store.path, "/nonexistent-run")
+
+
+def test_programs_take_a_few_queries_however_many_programs_there_are(tmp_path):
+    """`hakmem programs` made three store queries a program (its best and
+    pinned policies, its latest evaluation). In learnd each query lets
+    another thread take the GIL, and with one busy (a screening reading its
+    trace) each cost up to a switch interval: several hundred programs
+    kept learnd answering for 7 s in the chaos walk. Now a fixed few, with
+    the same answers."""
+    with contextlib.closing(Store(tmp_path / "learn.db")) as s:
+        for i in range(40):
+            prog = s.program(f"/usr/bin/p{i}", BUILD, USERS, SIZES)
+            a = s.policy(prog, knobs(), "default")
+            b = s.policy(prog, knobs(drain=50 + i), "learned")
+            s.set_best(prog, b)
+            if i % 2:
+                s.pin(prog, a)
+            for t, obj in ((10.0, f"older{i}"), (20.0, f"latest{i}")) if i % 3 else ():
+                s.db.execute("INSERT INTO evaluations (program_id, policy_id, t_start, t_end, windows, cost_mean, "
+                             "verdict, learner, objective) VALUES (?, ?, ?, ?, 5, 1.0, 'measured', 'gp', ?)",
+                             (prog, b, t - 5, t, obj))
+        s.db.commit()
+        backend = StoreBackend(s, "/nonexistent-run")
+        queries = []
+        s.db.set_trace_callback(queries.append)
+        try:
+            progs = backend.programs()
+        finally:
+            s.db.set_trace_callback(None)
+        assert len(progs) == 40
+        assert len(queries) <= 4, f"{len(queries)} queries for 40 programs"
+        for p in progs:
+            i = int(p.exe.rsplit("p", 1)[1])
+            assert p.best.version == 2 and p.best.knobs.drain_ms == 50 + i
+            assert (p.pinned.version if p.HasField("pinned") else None) == (1 if i % 2 else None)
+            assert p.state == ("pinned" if i % 2 else "")
+            assert p.objective == (f"latest{i}" if i % 3 else ""), p.objective

@@ -129,12 +129,7 @@ class StoreBackend:
         """Fills what the store does not know: state, in_force, objective.
         live_processes is already set from processes()."""
         msg.state = "pinned" if row.get("pinned_policy") else ""
-        if "last_objective" in row:                  # Store.programs has it already
-            msg.objective = row["last_objective"] or ""
-        else:
-            evs = self.store.evaluations(row["id"], limit=1)
-            if evs:
-                msg.objective = evs[0]["objective"]
+        msg.objective = row["last_objective"] or ""      # Store.programs' row
 
     def on_pin(self, program: dict, policy: dict) -> None:
         """Called after a pin is stored (program and policy: store rows).

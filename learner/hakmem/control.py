@@ -37,7 +37,7 @@ from google.protobuf.message import DecodeError
 from . import layout as L
 from ._pb import hakmem_pb2 as pb
 from .knobs import PER_CLASS, Knobs
-from .store import Store, StoreError
+from .store import StoreError
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -211,18 +211,16 @@ def process_to_pb(d: dict) -> pb.Process:
                       windows=d.get("windows") or 0, users=d.get("users") or "")
 
 
-def program_to_pb(d: dict, store: Store | None = None, policies: dict[int, dict] | None = None) -> pb.Program:
-    """A store program row (Store.programs); with store, its best and pinned
-    policies too, looked up in policies (Store.policies_by_id) when given."""
+def program_to_pb(d: dict, policies: dict[int, dict] | None = None) -> pb.Program:
+    """A store program row (Store.programs); its best and pinned policies
+    too, from policies (Store.policies_by_id), when given."""
     p = pb.Program(id=d["id"], key=d["key"], exe=d["exe"], build_id=d["build_id"], first_seen=d["first_seen"],
                    last_seen=d["last_seen"], processes_seen=d.get("processes_seen") or 0,
                    class_size=d["class_sizes"], users=d["users"], users_names=d["users_names"])
-    if store is not None or policies is not None:
-        for field, col in (("best", "best_policy"), ("pinned", "pinned_policy")):
-            if d.get(col):
-                row = policies.get(d[col]) if policies is not None else store.policy_by_id(d[col])
-                if row:
-                    getattr(p, field).CopyFrom(policy_to_pb(row))
+    for field, col in (("best", "best_policy"), ("pinned", "pinned_policy")):
+        row = policies.get(d[col]) if policies and d.get(col) else None
+        if row:
+            getattr(p, field).CopyFrom(policy_to_pb(row))
     if d.get("mix"):
         share = sorted(((s, c) for c, s in enumerate(d["mix"]) if s >= 0.05), reverse=True)[:8]
         p.hot_classes.extend(c for _, c in share)

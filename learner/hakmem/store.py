@@ -424,11 +424,7 @@ class Store:
         return [_policy(r) for r in self.db.execute(q + " ORDER BY p.program_id, p.version", args)]
 
     def policy_by_id(self, policy_id) -> dict | None:
-        r = self.db.execute("SELECT p.*, g.exe, g.build_id, g.users, g.best_policy = p.id AS best, "
-                            "g.pinned_policy = p.id AS pinned FROM policies p JOIN programs g ON g.id = p.program_id "
-                            "WHERE p.id = ?",
-                            (policy_id,)).fetchone()
-        return _policy(r) if r else None
+        return self.policies_by_id([policy_id]).get(policy_id) if policy_id else None
 
     def policies_by_id(self, ids) -> dict[int, dict]:
         """policy_by_id for many at once: {id: row} for those that exist."""

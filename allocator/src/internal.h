@@ -238,6 +238,7 @@ void   _hk_huge_free(void* p);
 size_t _hk_huge_usable(const void* p);
 void*  _hk_huge_realloc(void* p, size_t n);            /* NULL: could not in place */
 bool   _hk_huge_trim(void);
+void   _hk_huge_decay(void);                        /* cached mappings idle for an interval back */
 void   _hk_huge_lock(void);
 void   _hk_huge_unlock(void);
 void   _hk_huge_reinit_lock(void);

@@ -430,6 +430,7 @@ void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
     release_all(release);
   }
   _hk_segment_decay();
+  _hk_huge_decay();
 }
 
 bool _hk_trim_warm(void) {

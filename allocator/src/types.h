@@ -52,10 +52,11 @@ enum { HK_MAP_NONE = 0, HK_MAP_SEGMENT = 1, HK_MAP_HUGE = 2 };
 #define HK_RESERVE_SEGMENTS 16
 /* Empty segments kept mapped (their pages already returned) before munmap. */
 #define HK_SEG_CACHE_MAX    2
-/* Huge mappings kept for reuse after free: count and total bytes. */
-#define HK_HUGE_CACHE_MAX       8
-#define HK_HUGE_CACHE_MAX_BYTES ((size_t)128 << 20)
-#define HK_HUGE_CACHE_MIN_BYTES ((size_t)32 << 20)
+/* Huge mappings kept for reuse after free: count and total bytes (huge.c
+ * "cache_budget"); one that stays unused for a whole drain interval goes
+ * back to the OS (_hk_huge_decay). */
+#define HK_HUGE_CACHE_MAX       16
+#define HK_HUGE_CACHE_BYTES     ((size_t)128 << 20)
 /* Check mode keeps one bit per block; the largest block count of a slab is
  * a 64 KiB page of 16-byte blocks. */
 #define HK_CHECK_BITMAP_WORDS (HK_PAGE_SIZE / HK_MIN_ALIGN / 64)
@@ -249,7 +250,8 @@ typedef struct hk_huge_s {
                               (joined from pieces, huge.c), met at chunk
                               boundaries */
   struct hk_huge_s* next_cached;
-  uint64_t _pad2;
+  uint32_t aged;           /* cached: a decay pass has seen it there */
+  uint32_t _pad2;
 } hk_huge_t;
 
 _Static_assert(sizeof(hk_huge_t) == 64, "huge header is 64 bytes");

@@ -41,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "hakmem.h"
@@ -1084,7 +1085,7 @@ TEST(malloc_trim_returns_memory_to_the_os) {
   }
   s0 = s2;
 
-  /* Huge blocks: freed ones stay mapped in the huge cache (up to 32 MiB
+  /* Huge blocks: freed ones stay mapped in the huge cache (up to 128 MiB
    * while little is live); trim unmaps them all. */
   enum { H = 6 };
   void* h[H];
@@ -1163,6 +1164,55 @@ TEST(huge_realloc_grows_in_place) {
     CHECK_EQ(b.cls[0].live_bytes - a.cls[0].live_bytes, 32 * MiB);
     free(q);
   }
+}
+
+/* ---- the huge cache decays -------------------------------------------------- */
+/* huge.c "_hk_huge_decay": a freed huge mapping is kept for reuse, but one
+ * that served nothing for a whole drain interval goes back to the OS by
+ * itself (no malloc_trim), as the warm pools and dirty pages do. Seen from
+ * outside: right after a free, the next huge request of that size is a
+ * cache hit; after a few idle intervals (with slow paths that notice them)
+ * it is a fresh mapping, and the committed bytes are back where they were. */
+static long huge_hits_of_one(size_t n) {   /* -1: malloc failed */
+  static hk_stats_t a, b;
+  hk_stats_get(&a);
+  void* p = malloc(n);
+  if (!p) return -1;
+  memset(p, 0x3C, n);
+  hk_stats_get(&b);
+  free(p);
+  return (long)(b.huge_cache_hits - a.huge_cache_hits);
+}
+
+TEST(huge_cache_gives_back_idle_mappings) {
+  const size_t n = 6 * MiB;
+  hk_policy_t keep, p;
+  hk_policy_get(&keep);
+  p = keep;
+  p.drain_ms = 20;
+  REQUIRE(hk_policy_set(&p) != 0);
+  REQUIRE(malloc_trim(0) >= 0);
+  static hk_stats_t s0, s1;
+  REQUIRE(hk_stats_get(&s0) == 0);
+  REQUIRE(huge_hits_of_one(n) >= 0);         /* now cached */
+  CHECK_EQ(huge_hits_of_one(n), 1);          /* reused at once, cached again */
+  REQUIRE(hk_stats_get(&s1) == 0);
+  CHECK(s1.committed_bytes >= s0.committed_bytes + n);
+  for (int i = 0; i < 10; i++) {             /* 10 x 30 ms, slow paths in each */
+    struct timespec ts = {0, 30 * 1000000L};
+    nanosleep(&ts, NULL);
+    static void* q[600];
+    for (int k = 0; k < 600; k++) q[k] = malloc(3000);
+    for (int k = 0; k < 600; k++) free(q[k]);
+    hk_thread_flush();
+  }
+  REQUIRE(hk_stats_get(&s1) == 0);
+  harness_say("  committed: %lld KiB more than before, after idle intervals\n",
+              (long long)(s1.committed_bytes - s0.committed_bytes) / 1024);
+  CHECK(s1.committed_bytes < s0.committed_bytes + n);
+  CHECK_EQ(huge_hits_of_one(n), 0);          /* the mapping went: a fresh one */
+  REQUIRE(hk_policy_set(&keep) != 0);
+  REQUIRE(malloc_trim(0) >= 0);
 }
 
 /* ---- huge blocks put together from cached pieces ------------------------------ */
@@ -1273,6 +1323,7 @@ int main(void) {
   RUN(realloc_in_place_when_fits);
   RUN(huge_realloc_grows_in_place);
   RUN(huge_pieces_split_and_join);
+  RUN(huge_cache_gives_back_idle_mappings);
   RUN(posix_memalign_all_alignments);
   RUN(posix_memalign_invalid);
   RUN(aligned_alloc_memalign);

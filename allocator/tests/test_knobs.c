@@ -210,7 +210,7 @@ TEST(keeping_no_empty_slabs_keeps_no_dirty_pages) {
 }
 
 /* Halving every class's warm pool from the default halves the dirty cap:
- * 64 MiB of 1000-byte blocks freed leaves 16 MiB dirty, not 32. */
+ * 128 MiB of 1000-byte blocks freed leaves 32 MiB dirty, not 64. */
 TEST(the_dirty_cap_follows_the_policys_warm_pools) {
   set_all(16, 8, 0, 0);
   hk_policy_t p;
@@ -226,8 +226,8 @@ TEST(the_dirty_cap_follows_the_policys_warm_pools) {
     hk_stats_t a, b;
     snap(&a);
     /* One block in every 1024 stays live, so no segment empties whole (an
-     * empty segment is unmapped, dirty pages and all): 64 slabs, 4 MiB. */
-    enum { N = 64 * 1024, PIN_EVERY = 1024 };
+     * empty segment is unmapped, dirty pages and all): 128 slabs, 8 MiB. */
+    enum { N = 128 * 1024, PIN_EVERY = 1024 };
     static void* blk[N];
     for (int i = 0; i < N; i++) { blk[i] = malloc(1000); memset(blk[i], 1, 1000); }
     for (int i = 0; i < N; i++)
@@ -237,10 +237,10 @@ TEST(the_dirty_cap_follows_the_policys_warm_pools) {
     dirty[half] = b.committed_bytes - a.committed_bytes;
     for (int i = 0; i < N; i += PIN_EVERY) free(blk[i]);
   }
-  harness_say("  kept after 64 MiB freed: default pools %llu KiB, half of them %llu KiB\n",
+  harness_say("  kept after 128 MiB freed: default pools %llu KiB, half of them %llu KiB\n",
               (unsigned long long)dirty[0] >> 10, (unsigned long long)dirty[1] >> 10);
-  CHECK(dirty[0] >= 31ull << 20 && dirty[0] <= 39ull << 20);   /* 32 MiB and the pins' 4 MiB */
-  CHECK(dirty[1] >= 15ull << 20 && dirty[1] <= 23ull << 20);
+  CHECK(dirty[0] >= 67ull << 20 && dirty[0] <= 75ull << 20);   /* 64 MiB and the pins' 8 MiB */
+  CHECK(dirty[1] >= 35ull << 20 && dirty[1] <= 43ull << 20);
   malloc_trim(0);
 }
 

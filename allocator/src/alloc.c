@@ -195,9 +195,12 @@ static void maybe_gc(hk_tcache_t* tc) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_bin_t* bin = &tc->bin[cls];
     uint64_t allocs = _hk_bin_allocs(bin);
-    if (_hk_bin_count(bin) && allocs == tc->gc_allocs[cls]) {
-      _hk_drain(tc, cls, _hk_bin_count(bin));
-      tc->cold[cls].fill = 0;   /* back to a slow start */
+    if (allocs == tc->gc_allocs[cls]) {
+      if (_hk_bin_count(bin)) {
+        _hk_drain(tc, cls, _hk_bin_count(bin));
+        tc->cold[cls].fill = 0;   /* back to a slow start */
+      }
+      _hk_stash_flush(tc, cls);
     }
     tc->gc_allocs[cls] = allocs;
   }

@@ -55,6 +55,9 @@ void _hk_classes_init(void) {
     if (!best) best = (unsigned)((size + HK_PAGE_SIZE - 1) >> HK_PAGE_SHIFT);
     ci->slab_pages = best;
     ci->slab_blocks = (uint32_t)(((uint64_t)best << HK_PAGE_SHIFT) / size);
+    /* 4 KiB of blocks, 8 to 256 of them (slab.c "chains"). */
+    uint32_t chain = 4096u / size;
+    ci->chain_len = chain < 8 ? 8 : chain > 256 ? 256 : chain;
     uint64_t c = UINT64_MAX / size + 1;
     uint64_t e = c * size;                    /* d*c mod 2^64, < size */
     _hk_div[cls].magic = c;

@@ -210,10 +210,14 @@ HK_INLINE bool _hk_is_block_start(const hk_segment_t* seg, unsigned page,
 /* alloc.c */
 void* _hk_malloc_slow(size_t n, unsigned cls);
 void  _hk_free_slow(void* p);
-/* slab.c: central per-class state */
+/* slab.c: slabs, their owners and the classes' central state */
 void* _hk_refill(hk_tcache_t* tc, unsigned cls);       /* returns one block */
 void  _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n);
 void  _hk_flush_thread(hk_tcache_t* tc);
+void  _hk_stash_flush(hk_tcache_t* tc, unsigned cls);  /* other threads' frees of this one's blocks, to their slabs */
+void  _hk_slabs_orphan(hk_thread_rec_t* rec);          /* an ended thread's slabs to their classes */
+void  _hk_inbox_sweep(hk_thread_rec_t* rec);           /* a record without a thread: its inboxes to the slabs */
+void  _hk_inbox_sweep_free_records(void);            /* thread.c: every such record */
 void* _hk_alloc_direct(unsigned cls);                  /* no thread cache */
 void  _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls);
 bool  _hk_trim_warm(void);

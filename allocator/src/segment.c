@@ -186,7 +186,10 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   slab->next = slab->prev = NULL;
   slab->used = 0;
   slab->capacity = ci->slab_blocks;
-  slab->owner = 0;
+  slab->nfree = 0;
+  slab->cur_n = 0;
+  slab->chains = NULL;
+  hk_store_relaxed(&slab->owner, NULL);
   slab->cls = (uint8_t)cls;
   /* Pages kept dirty are resident up to where their last slab's blocks
    * reached; a slab with any page that is not (fresh, or given back) is
@@ -240,6 +243,9 @@ void _hk_slab_release(hk_slab_t* slab) {
   }
   slab->state = HK_SLAB_UNUSED;
   slab->free = NULL;
+  slab->nfree = 0;
+  slab->cur_n = 0;
+  slab->chains = NULL;
   slab->used = 0;
   uint64_t mask = (((uint64_t)1 << k) - 1) << first;
   s->free_pages |= mask;

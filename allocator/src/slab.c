@@ -1,27 +1,50 @@
-/* slab.c — the central per-class state: refill, drain, warm pool.
+/* slab.c — slabs: who owns them, refill, drain, the warm pool.
+ *
+ * OWNERSHIP
+ * A slab belongs to one thread (its record, hk_thread_rec_t) or to its
+ * class (owner NULL: central, under the class lock). A thread's refills
+ * take blocks from the slabs it owns and its drains give blocks of those
+ * slabs back, without a lock: no other thread touches an owned slab's
+ * lists or counts. A block of a slab that another thread owns goes to that
+ * thread's inbox for the class instead: a drain links such blocks into one
+ * chain per owner and pushes each chain with one compare-and-swap, and the
+ * owner takes its whole inbox with one exchange when a refill finds it
+ * non-empty and hands each chain to its thread cache whole. So a free of
+ * another thread's block never waits for a lock or another thread, and the
+ * block goes back to the thread that allocates from its slab (mimalloc
+ * shards free lists per page and lets other threads push onto a separate
+ * atomic list; snmalloc sends batches of remote frees to their owner).
+ * Blocks of central slabs go back under the class lock.
+ *
+ * A thread that needs a slab takes one from its class, under the lock: a
+ * central slab with free blocks (one that a thread handed back when it
+ * ended), then the warm pool, then fresh pages. An owner hands a slab back
+ * when the slab empties (to the warm pool or the OS: give_local), and all
+ * of its slabs when it ends (_hk_slabs_orphan, from thread.c).
+ *
+ * An inbox chain: word 0 of each block links the chain (NULL-terminated);
+ * word 1 of its first block holds the next chain in the inbox and, in bits
+ * 48-63, the chain's length (user addresses take 47 bits). Blocks in an
+ * inbox or in the owner's stash of taken chains count as drained (stats.c
+ * counts them neither live nor cached) and stay out of their slab until the
+ * owner's thread cache takes them, or an idle pass, malloc_trim or the
+ * owner's end gives them back to their slabs.
  *
  * SYNCHRONIZATION
  *  1. Each class has its own lock (_hk_central[cls].lock). It guards the
- *     class's partial list, warm pool and every field of its slabs except the
- *     page tables (segment.c). No lock is ever held across classes.
- *  2. A thread takes a class lock only on its slow path, once per batch of
- *     blocks moved (refill or drain), so frees from any thread stay lock-free
- *     on the fast path: they land in the freeing thread's cache and travel
- *     back to their slab in batches.
- *  3. Slabs are released to the OS (segment.c, madvise) after the class lock
- *     is dropped, so no thread waits on a syscall while holding it.
- *
- * TRANSFER
- * A drain of at most a batch parks the chain as it is in the class's
- * transfer cache (a few slots, HK_XFER_BYTES at most), and the next refill
- * of any thread takes a parked chain whole: both are O(1) under the lock,
- * where returning blocks to their slabs one by one and taking them back
- * costs a slab lookup and list update per block while every other thread of
- * the class waits for the lock. That is what a producer/consumer pair does
- * all day (one thread's drains feed the other's refills). Parked blocks are
- * still "out" of their slabs, so a slab they belong to cannot be emptied;
- * every decay pass and malloc_trim return them to their slabs (give_block,
- * which also checks each one as any drain does).
+ *     class's central partial list and warm pool, every field of a central
+ *     slab, and every change of a slab's owner. No lock is ever held across
+ *     classes.
+ *  2. An owned slab's fields are its owner's alone. Other threads read only
+ *     `owner`, without a lock, to pick where a block goes. A slab changes
+ *     owner with blocks out only when its owner ends; a block freed on a
+ *     stale read then waits in the ended thread's inbox, which the record's
+ *     next thread takes as its own or the decay pass sweeps
+ *     (_hk_inbox_sweep_free_records): late, never lost.
+ *  3. A central slab's blocks are given back under the lock, which reads
+ *     the owner again: a thread may have taken the slab meanwhile.
+ *  4. Slabs go back to the OS (segment.c, madvise) after the lock is
+ *     dropped, so no thread waits on a syscall while holding it.
  */
 #include "internal.h"
 #include "prim.h"
@@ -32,8 +55,10 @@ hk_central_t _hk_central[HK_NUM_CLASSES];
 _Atomic uint32_t _hk_warm_limit[HK_NUM_CLASSES];
 
 #define CHECK_FILL 0xdb
-#define NO_TID     UINT32_MAX   /* give_block: counted as remote or not already */
 #define CHECK_SPAN 4096u   /* bytes of a freed block filled/verified */
+#define CHAIN_SHIFT 48
+#define CHAIN_MAX   ((1u << 16) - 1)
+#define CHAIN_NEXT  (((uintptr_t)1 << CHAIN_SHIFT) - 1)
 
 /* ---- list helpers ---------------------------------------------------------- */
 static void slab_push(hk_slab_t** list, hk_slab_t* s) {
@@ -49,7 +74,13 @@ static void slab_unlink(hk_slab_t** list, hk_slab_t* s) {
   s->next = s->prev = NULL;
 }
 
-/* A slab to take blocks from: the warm pool first, then fresh pages. */
+HK_INLINE hk_slab_t* slab_of(const void* b) {
+  hk_segment_t* seg = _hk_segment_of(b);
+  return &seg->slabs[seg->page_start[_hk_page_of(b)] >> HK_PAGE_SHIFT];
+}
+
+/* A slab to take blocks from, for the caller to list (class lock held):
+ * the warm pool first, then fresh pages. */
 static hk_slab_t* slab_get(hk_central_t* c, unsigned cls) {
   hk_slab_t* s = c->warm;
   if (s) {
@@ -62,7 +93,6 @@ static hk_slab_t* slab_get(hk_central_t* c, unsigned cls) {
     hk_add_relaxed(&c->c.slabs_from_os, 1);
   }
   s->state = HK_SLAB_PARTIAL;
-  slab_push(&c->partial, s);
   return s;
 }
 
@@ -87,85 +117,192 @@ static void check_verify_fill(const hk_slab_t* s, const uint8_t* b) {
     if (b[i] != CHECK_FILL) _hk_fatal("heap corruption: freed block written after free", b + i);
 }
 
-/* Takes up to n blocks of class cls into a chain; returns how many. Free
- * blocks first (hot in cache), then never-used ones, linked in address order. */
-static uint32_t take_blocks(hk_central_t* c, unsigned cls, uint32_t n,
-                            void** head_out, uint32_t tid) {
+/* ---- chains -------------------------------------------------------------------
+ * A slab keeps its free blocks in chains of at most chain_len (4 KiB of
+ * blocks, 8 to 256), the last one open, so that a refill takes a whole
+ * chain in one step without reading a block: taking part of one long list
+ * reads every block taken, each a cache miss (sh8bench spent 76% of its
+ * refills on that one load). Not in check mode, whose fill covers word 1. */
+HK_INLINE void slab_put(hk_slab_t* s, void* b) {
+  *(void**)b = s->free;
+  s->free = b;
+  s->nfree++;
+  if (HK_UNLIKELY(++s->cur_n >= _hk_class[s->cls].chain_len) && !_hk_check_mode) {
+    uintptr_t* w = (uintptr_t*)b + 1;
+    HK_VG_DEFINED(w, sizeof *w);
+    *w = (uintptr_t)s->chains | ((uintptr_t)s->cur_n << CHAIN_SHIFT);
+    HK_VG_NOACCESS(w, sizeof *w);
+    s->chains = b;
+    s->free = NULL;
+    s->cur_n = 0;
+  }
+}
+
+/* The first full chain of s off its list; *n its length. */
+HK_INLINE void* chain_peek(const hk_slab_t* s, uint32_t* n, uintptr_t* next) {
+  void* c = s->chains;
+  uintptr_t* w = (uintptr_t*)c + 1;
+  HK_VG_DEFINED(w, sizeof *w);
+  *next = *w & CHAIN_NEXT;
+  *n = (uint32_t)(*w >> CHAIN_SHIFT);
+  HK_VG_NOACCESS(w, sizeof *w);
+  return c;
+}
+
+/* Takes blocks of slab s onto the chain at *head (its owner, or the class
+ * lock held), up to n - *got of them, or one whole chain of at most `most`
+ * when *head is empty; returns whether the caller should stop there (a
+ * whole chain, or a fresh page). Free blocks first (hot in cache), then
+ * never-used ones, linked in address order. */
+static bool take_from(hk_slab_t* s, unsigned cls, uint32_t n, uint32_t most, void** head,
+                      uint32_t* got) {
   const uint32_t size = _hk_class[cls].size;
+  if (*head == NULL && !_hk_check_mode && s->nfree) {
+    void* c = NULL;
+    uint32_t k = 0;
+    uintptr_t next;
+    if (s->chains) {
+      c = chain_peek(s, &k, &next);
+      if (k <= most) s->chains = (void*)next;
+      else c = NULL;
+    } else if (s->cur_n <= most) {
+      c = s->free;
+      k = s->cur_n;
+      s->free = NULL;
+      s->cur_n = 0;
+    }
+    if (c) {
+      *head = c;
+      *got = k;
+      s->used += k;
+      s->nfree -= k;
+      return true;
+    }
+  }
+  while (*got < n) {
+    if (!s->free) {
+      if (!s->chains) break;
+      uintptr_t next;
+      s->free = chain_peek(s, &s->cur_n, &next);   /* opened: the chain being built */
+      s->chains = (void*)next;
+    }
+    void* b = s->free;
+    s->free = *(void**)b;
+    s->cur_n--;
+    s->nfree--;
+    if (HK_UNLIKELY(_hk_check_mode)) {
+      check_verify_fill(s, b);
+      check_bit_flip(s, b, true);
+    }
+    *(void**)b = *head;
+    *head = b;
+    (*got)++;
+    s->used++;
+  }
+  if (*got >= n || s->bump >= s->end) return false;
+  /* Never-used blocks: only those starting in the OS page that holds the
+   * bump pointer (at least one). Linking a block writes into it, so a
+   * larger take would fault in pages ahead of use, and a short run leaves
+   * them untouched by the program (up to 7 pages per class at the end of
+   * the slow start); refills from fresh memory pay a page fault each
+   * anyway, which dwarfs one more trip here. */
+  uint32_t m = (uint32_t)((size_t)(s->end - s->bump) / size);
+  uintptr_t page_end = ((uintptr_t)s->bump | (HK_OS_PAGE - 1)) + 1;
+  uint32_t in_page = (uint32_t)((page_end - (uintptr_t)s->bump + size - 1) / size);
+  if (m > in_page) m = in_page;
+  if (m > n - *got) m = n - *got;
+  uint8_t* b = s->bump;
+  for (uint32_t i = 0; i < m; i++) HK_VG_DEFINED(b + (size_t)i * size, sizeof(void*));
+  /* The first block to start in this OS page of a cold slab: linking it
+   * is the page's first write, and its fault is the kernel's time, which
+   * learnd prices from the process's fault count: timed as kernel time
+   * and left out of slow_ns (_hk_kernel_ticks), or it would be priced
+   * twice (bench-learn's spikes: keeping nothing looked 5% dearer). */
+  if (s->cold && (b == s->start || (uintptr_t)(b - size) < (page_end - HK_OS_PAGE))) {
+    hk_add_relaxed(&_hk_central[cls].c.fresh_pages, 1);
+    uint64_t f0 = _hk_os_ticks();
+    *(void* volatile*)b = NULL;
+    _hk_kernel_ticks += _hk_os_ticks() - f0;
+  }
+  for (uint32_t i = 0; i + 1 < m; i++) *(void**)(b + (size_t)i * size) = b + (size_t)(i + 1) * size;
+  *(void**)(b + (size_t)(m - 1) * size) = *head;
+  if (HK_UNLIKELY(_hk_check_mode))
+    for (uint32_t i = 0; i < m; i++) check_bit_flip(s, b + (size_t)i * size, true);
+  *head = b;
+  s->bump += (size_t)m * size;
+  *got += m;
+  s->used += m;
+  return true;   /* at most one fresh page per refill (see above) */
+}
+
+/* Takes up to n blocks of class cls from central slabs into a chain (class
+ * lock held); returns how many. */
+static uint32_t take_central(hk_central_t* c, unsigned cls, uint32_t n, uint32_t most,
+                             void** head_out) {
   void* head = NULL;
   uint32_t got = 0;
-  bool fresh = false;
   while (got < n) {
     hk_slab_t* s = c->partial;
-    if (!s && !(s = slab_get(c, cls))) break;
-    s->owner = tid;
-    while (got < n && s->free) {
-      void* b = s->free;
-      s->free = *(void**)b;
-      if (HK_UNLIKELY(_hk_check_mode)) {
-        check_verify_fill(s, b);
-        check_bit_flip(s, b, true);
-      }
-      *(void**)b = head;
-      head = b;
-      got++;
-      s->used++;
+    if (!s) {
+      if (!(s = slab_get(c, cls))) break;
+      slab_push(&c->partial, s);
     }
-    if (got < n && s->bump < s->end) {
-      /* Never-used blocks: only those starting in the OS page that holds
-       * the bump pointer (at least one). Linking a block writes into it,
-       * so a larger take would fault in pages ahead of use, and a short
-       * run leaves them untouched by the program (up to 7 pages per class
-       * at the end of the slow start); refills from fresh memory pay a
-       * page fault each anyway, which dwarfs one more trip here. */
-      uint32_t m = (uint32_t)((size_t)(s->end - s->bump) / size);
-      uintptr_t page_end = ((uintptr_t)s->bump | (HK_OS_PAGE - 1)) + 1;
-      uint32_t in_page = (uint32_t)((page_end - (uintptr_t)s->bump + size - 1) / size);
-      if (m > in_page) m = in_page;
-      if (m > n - got) m = n - got;
-      uint8_t* b = s->bump;
-      for (uint32_t i = 0; i < m; i++) HK_VG_DEFINED(b + (size_t)i * size, sizeof(void*));
-      /* The first block to start in this OS page of a cold slab: linking it
-       * is the page's first write, and its fault is the kernel's time, which
-       * learnd prices from the process's fault count: timed as kernel time
-       * and left out of slow_ns (_hk_kernel_ticks), or it would be priced
-       * twice (bench-learn's spikes: keeping nothing looked 5% dearer). */
-      if (s->cold && (b == s->start || (uintptr_t)(b - size) < (page_end - HK_OS_PAGE))) {
-        hk_add_relaxed(&c->c.fresh_pages, 1);
-        uint64_t f0 = _hk_os_ticks();
-        *(void* volatile*)b = NULL;
-        _hk_kernel_ticks += _hk_os_ticks() - f0;
-      }
-      for (uint32_t i = 0; i + 1 < m; i++) *(void**)(b + (size_t)i * size) = b + (size_t)(i + 1) * size;
-      *(void**)(b + (size_t)(m - 1) * size) = head;
-      if (HK_UNLIKELY(_hk_check_mode))
-        for (uint32_t i = 0; i < m; i++) check_bit_flip(s, b + (size_t)i * size, true);
-      head = b;
-      s->bump += (size_t)m * size;
-      got += m;
-      s->used += m;
-      fresh = true;
-    }
+    bool stop = take_from(s, cls, n, most, &head, &got);
     if (s->used == s->capacity) {
       slab_unlink(&c->partial, s);
       s->state = HK_SLAB_FULL;
     }
-    if (fresh) break;   /* at most one fresh page per refill (see above) */
+    if (stop) break;
   }
   HK_ASSERT(got <= n);
   *head_out = head;
   return got;
 }
 
-/* Returns one block to its slab (class lock held). A slab that becomes
- * empty is appended to *release when it must go back to the OS. */
-static void give_block(hk_central_t* c, unsigned cls, void* b, uint32_t tid,
-                       hk_slab_t** release) {
+/* A slab for `me` to own, listed as its partial slab: a central one with
+ * free blocks, else one from the warm pool or fresh pages; NULL when there
+ * is no memory. */
+static hk_slab_t* adopt(hk_thread_rec_t* me, hk_central_t* c, unsigned cls) {
+  _hk_lock(&c->lock);
+  hk_slab_t* s = c->partial;
+  if (s) slab_unlink(&c->partial, s);
+  else s = slab_get(c, cls);
+  if (s) {
+    hk_store_relaxed(&s->owner, me);
+    s->state = HK_SLAB_PARTIAL;
+    slab_push(&me->own[cls], s);
+  }
+  _hk_unlock(&c->lock);
+  return s;
+}
+
+/* Takes up to n blocks of class cls from the slabs `me` owns, adopting one
+ * when they run out; returns how many. */
+static uint32_t take_owned(hk_thread_rec_t* me, hk_central_t* c, unsigned cls, uint32_t n,
+                           uint32_t most, void** head_out) {
+  void* head = NULL;
+  uint32_t got = 0;
+  while (got < n) {
+    hk_slab_t* s = me->own[cls];
+    if (!s && !(s = adopt(me, c, cls))) break;
+    bool stop = take_from(s, cls, n, most, &head, &got);
+    if (s->used == s->capacity) {
+      slab_unlink(&me->own[cls], s);
+      slab_push(&me->own_full[cls], s);
+      s->state = HK_SLAB_FULL;
+    }
+    if (stop) break;
+  }
+  *head_out = head;
+  return got;
+}
+
+/* The checks every block given back to its slab passes, and check mode's
+ * fill. */
+static void give_checks(hk_slab_t* s, unsigned cls, void* b) {
   hk_segment_t* seg = _hk_segment_of(b);
-  unsigned page = _hk_page_of(b);
-  if (HK_UNLIKELY(_hk_page_class(seg, page) != cls))
+  if (HK_UNLIKELY(_hk_page_class(seg, _hk_page_of(b)) != cls))
     _hk_invalid_free(b, "block of another size class");
-  hk_slab_t* s = &seg->slabs[seg->page_start[page] >> HK_PAGE_SHIFT];
   if (HK_UNLIKELY(s->used == 0 || (uint8_t*)b >= s->bump))
     _hk_invalid_free(b, "double free or never allocated");
   if (HK_UNLIKELY(_hk_check_mode)) {
@@ -176,30 +313,22 @@ static void give_block(hk_central_t* c, unsigned cls, void* b, uint32_t tid,
     memset((uint8_t*)b + sizeof(void*), CHECK_FILL, n - sizeof(void*));
     HK_VG_NOACCESS((uint8_t*)b + sizeof(void*), n - sizeof(void*));
   }
-  *(void**)b = s->free;
-  s->free = b;
-  s->used--;
-  if (tid != NO_TID && s->owner != tid) hk_add_relaxed(&c->c.remote_frees, 1);
-  if (s->state == HK_SLAB_FULL) {
-    s->state = HK_SLAB_PARTIAL;
-    slab_push(&c->partial, s);
-  }
-  if (s->used == 0) {
-    /* Keep the class's only partial slab: retiring it would make the very
-     * next refill take it (or a new one) straight back. */
-    if (c->partial == s && s->next == NULL) return;
-    slab_unlink(&c->partial, s);
-    if (c->warm_count < hk_load_relaxed(&_hk_warm_limit[cls])) {
-      s->state = HK_SLAB_WARM;
-      slab_push(&c->warm, s);
-      c->warm_count++;
-      hk_add_relaxed(&c->c.slabs_to_warm, 1);
-    } else {
-      s->state = HK_SLAB_UNUSED;
-      s->next = *release;
-      *release = s;
-      hk_add_relaxed(&c->c.slabs_to_os, 1);
-    }
+}
+
+/* An empty slab leaves its class's lists for the warm pool or, over the
+ * limit, for *release (class lock held). */
+static void retire(hk_central_t* c, unsigned cls, hk_slab_t* s, hk_slab_t** release) {
+  hk_store_relaxed(&s->owner, NULL);
+  if (c->warm_count < hk_load_relaxed(&_hk_warm_limit[cls])) {
+    s->state = HK_SLAB_WARM;
+    slab_push(&c->warm, s);
+    c->warm_count++;
+    hk_add_relaxed(&c->c.slabs_to_warm, 1);
+  } else {
+    s->state = HK_SLAB_UNUSED;
+    s->next = *release;
+    *release = s;
+    hk_add_relaxed(&c->c.slabs_to_os, 1);
   }
 }
 
@@ -225,51 +354,233 @@ static void release_all(hk_slab_t* s) {
   }
 }
 
-/* Out of memory: the slabs every class keeps warm and the huge mappings
- * kept for reuse go back to the OS (their pages and address space are then
- * free for this class's new slab), and take_blocks gets one more try. The
- * segment cache is left: a new slab takes a cached segment before it maps
- * anything, so it was empty when the slab could not be had. Runs with no
- * lock held: trimming takes each class lock in turn. */
-static HK_NOINLINE uint32_t take_after_trim(hk_central_t* c, unsigned cls, uint32_t n,
-                                            void** head, uint32_t tid) {
-  bool any = _hk_trim_warm();
-  any |= _hk_huge_trim();
-  if (!any) return 0;
+/* Returns one block to its central slab (class lock held). A slab that
+ * becomes empty goes to the warm pool or *release. */
+static void give_central(hk_central_t* c, unsigned cls, hk_slab_t* s, void* b,
+                         hk_slab_t** release) {
+  give_checks(s, cls, b);
+  slab_put(s, b);
+  s->used--;
+  if (s->state == HK_SLAB_FULL) {
+    s->state = HK_SLAB_PARTIAL;
+    slab_push(&c->partial, s);
+  }
+  if (s->used == 0) {
+    /* Keep the class's only partial slab: retiring it would make the very
+     * next refill take it (or a new one) straight back. */
+    if (c->partial == s && s->next == NULL) return;
+    slab_unlink(&c->partial, s);
+    retire(c, cls, s, release);
+  }
+}
+
+/* ---- routing blocks back ------------------------------------------------------
+ * A drain, a direct free, an idle pass over a stash: each block goes to its
+ * slab if the caller owns it, to its owner's inbox, or to its central slab
+ * under the class lock, in three batches that route_end settles. */
+typedef struct route_s {
+  hk_thread_rec_t* me;       /* the caller's record, or NULL */
+  hk_central_t* c;
+  unsigned cls;
+  uint32_t remote;           /* blocks sent to other threads */
+  hk_thread_rec_t* to;       /* the chain being built, for `to` */
+  void* chain;
+  uint32_t chain_n;
+  void* central;             /* blocks of central slabs */
+  hk_slab_t* empty;          /* own slabs emptied, to hand to the class */
+} route_t;
+
+static void push_chain(hk_thread_rec_t* to, unsigned cls, void* head, uint32_t n) {
+  _Atomic(void*)* inbox = &to->inbox[cls];
+  uintptr_t* w = (uintptr_t*)head + 1;
+  HK_VG_DEFINED(w, sizeof *w);
+  void* old = hk_load_relaxed(inbox);
+  do {
+    *w = ((uintptr_t)old & CHAIN_NEXT) | ((uintptr_t)n << CHAIN_SHIFT);
+  } while (!atomic_compare_exchange_weak_explicit(inbox, &old, head, memory_order_release,
+                                                  memory_order_relaxed));
+}
+
+static void route_flush_chain(route_t* r) {
+  if (r->chain_n == 0) return;
+  push_chain(r->to, r->cls, r->chain, r->chain_n);
+  r->remote += r->chain_n;
+  r->chain = NULL;
+  r->chain_n = 0;
+}
+
+/* A block of a slab `me` owns back to it, without a lock. */
+static void give_local(route_t* r, hk_slab_t* s, void* b) {
+  hk_thread_rec_t* me = r->me;
+  give_checks(s, r->cls, b);
+  slab_put(s, b);
+  s->used--;
+  if (HK_UNLIKELY(s->state == HK_SLAB_FULL)) {
+    slab_unlink(&me->own_full[r->cls], s);
+    slab_push(&me->own[r->cls], s);
+    s->state = HK_SLAB_PARTIAL;
+  }
+  if (HK_UNLIKELY(s->used == 0)) {
+    /* As in give_central: the only partial slab stays. */
+    if (me->own[r->cls] == s && s->next == NULL) return;
+    slab_unlink(&me->own[r->cls], s);
+    s->next = r->empty;
+    r->empty = s;
+  }
+}
+
+static void route_block(route_t* r, void* b) {
+  hk_slab_t* s = slab_of(b);
+  hk_thread_rec_t* o = hk_load_relaxed(&s->owner);
+  if (o == NULL) {
+    *(void**)b = r->central;
+    r->central = b;
+  } else if (o == r->me) {
+    give_local(r, s, b);
+  } else {
+    if (HK_UNLIKELY(_hk_page_class(_hk_segment_of(b), _hk_page_of(b)) != r->cls))
+      _hk_invalid_free(b, "block of another size class");
+    if (o != r->to || r->chain_n == CHAIN_MAX) {
+      route_flush_chain(r);
+      r->to = o;
+    }
+    *(void**)b = r->chain;
+    r->chain = b;
+    r->chain_n++;
+  }
+}
+
+/* Settles what route_block set aside: chains to their owners, central
+ * blocks and emptied slabs under the class lock, freed slabs to the OS. */
+static void route_end(route_t* r) {
+  route_flush_chain(r);
+  if (r->central || r->empty) {
+    hk_central_t* c = r->c;
+    hk_slab_t* release = NULL;
+    _hk_lock(&c->lock);
+    for (void* b = r->central, *next; b; b = next) {
+      next = *(void**)b;
+      hk_slab_t* s = slab_of(b);
+      hk_thread_rec_t* o = hk_load_relaxed(&s->owner);   /* taken over meanwhile? */
+      if (o == NULL) give_central(c, r->cls, s, b, &release);
+      else if (o == r->me) give_local(r, s, b);
+      else {
+        if (o != r->to || r->chain_n == CHAIN_MAX) {
+          route_flush_chain(r);
+          r->to = o;
+        }
+        *(void**)b = r->chain;
+        r->chain = b;
+        r->chain_n++;
+      }
+    }
+    r->central = NULL;
+    for (hk_slab_t* s = r->empty, *next; s; s = next) {
+      next = s->next;
+      retire(c, r->cls, s, &release);
+    }
+    r->empty = NULL;
+    warm_shrink(c, r->cls, hk_load_relaxed(&_hk_warm_limit[r->cls]), &release);
+    _hk_unlock(&c->lock);
+    route_flush_chain(r);
+    release_all(release);
+  }
+}
+
+HK_INLINE void route_begin(route_t* r, hk_thread_rec_t* me, unsigned cls) {
+  memset(r, 0, sizeof *r);
+  r->me = me;
+  r->c = &_hk_central[cls];
+  r->cls = cls;
+}
+
+static void route_chains(route_t* r, void* h) {
+  while (h) {
+    uintptr_t* w = (uintptr_t*)h + 1;
+    HK_VG_DEFINED(w, sizeof *w);
+    void* next = (void*)(*w & CHAIN_NEXT);
+    for (void* b = h, *nb; b; b = nb) {
+      nb = *(void**)b;
+      route_block(r, b);
+    }
+    h = next;
+  }
+}
+
+/* Every chain in the stash and the inbox of class cls back to the slabs,
+ * by `me` (their owner) or, for an ended thread's record, NULL. */
+static void stash_flush(hk_thread_rec_t* rec, hk_thread_rec_t* me, unsigned cls) {
+  void* stash = rec->stash[cls];
+  rec->stash[cls] = NULL;
+  void* inbox = NULL;
+  if (hk_load_relaxed(&rec->inbox[cls]))
+    inbox = atomic_exchange_explicit(&rec->inbox[cls], NULL, memory_order_acquire);
+  if (!stash && !inbox) return;
+  route_t r;
+  route_begin(&r, me, cls);
+  route_chains(&r, stash);
+  route_chains(&r, inbox);
+  route_end(&r);
+}
+
+/* A chain of at most `most` blocks from the stash, taking the inbox into
+ * it when it is empty; returns its length (0: none). */
+static uint32_t take_stash(hk_thread_rec_t* me, unsigned cls, uint32_t most, void** head) {
+  void* h = me->stash[cls];
+  if (!h) {
+    if (!hk_load_relaxed(&me->inbox[cls])) return 0;
+    h = atomic_exchange_explicit(&me->inbox[cls], NULL, memory_order_acquire);
+    if (!h) return 0;
+  }
+  uintptr_t* w = (uintptr_t*)h + 1;
+  HK_VG_DEFINED(w, sizeof *w);
+  uintptr_t next = *w & CHAIN_NEXT;
+  uint32_t n = (uint32_t)(*w >> CHAIN_SHIFT);
+  HK_VG_NOACCESS(w, sizeof *w);
+  if (n > most) {   /* a chain longer than the cache holds: cut it */
+    void* t = h;
+    for (uint32_t i = 1; i < most; i++) t = *(void**)t;
+    void* rest = *(void**)t;
+    *(void**)t = NULL;
+    uintptr_t* rw = (uintptr_t*)rest + 1;
+    HK_VG_DEFINED(rw, sizeof *rw);
+    *rw = next | ((uintptr_t)(n - most) << CHAIN_SHIFT);
+    next = (uintptr_t)rest;
+    n = most;
+  }
+  me->stash[cls] = (void*)next;
+  *head = h;
+  return n;
+}
+
+/* Up to n blocks for this thread: from its stash or inbox, its own slabs,
+ * or, without a record, central slabs. */
+static uint32_t take_any(hk_tcache_t* tc, hk_central_t* c, unsigned cls, uint32_t n,
+                         uint32_t most, void** head) {
+  hk_thread_rec_t* me = tc->rec;
+  if (me && tc->state == HK_TC_ACTIVE) {
+    uint32_t got = take_stash(me, cls, most, head);
+    if (got) return got;
+    return take_owned(me, c, cls, n, most, head);
+  }
   _hk_lock(&c->lock);
-  uint32_t got = take_blocks(c, cls, n, head, tid);
+  uint32_t got = take_central(c, cls, n, most, head);
   _hk_unlock(&c->lock);
   return got;
 }
 
-/* Parked chains back to their slabs (class lock held). */
-static void xfer_flush(hk_central_t* c, unsigned cls, hk_slab_t** release) {
-  while (c->xfer_count > 0) {
-    hk_xfer_t* x = &c->xfer[--c->xfer_count];
-    void* b = x->head;
-    for (uint32_t i = 0; i < x->n; i++) {
-      void* next = *(void**)b;
-      give_block(c, cls, b, NO_TID, release);
-      b = next;
-    }
-    c->xfer_blocks -= x->n;
-    x->head = NULL;
-    x->n = 0;
-  }
-}
-
-/* A parked chain of at most `most` blocks, or 0 (class lock held). */
-static uint32_t xfer_take(hk_central_t* c, uint32_t most, void** head) {
-  if (c->xfer_count == 0) return 0;
-  hk_xfer_t* x = &c->xfer[c->xfer_count - 1];
-  if (x->n > most) return 0;
-  uint32_t n = x->n;
-  *head = x->head;
-  x->head = NULL;
-  x->n = 0;
-  c->xfer_count--;
-  c->xfer_blocks -= n;
-  return n;
+/* Out of memory: the slabs every class keeps warm and the huge mappings
+ * kept for reuse go back to the OS (their pages and address space are then
+ * free for this class's new slab), and the take gets one more try. The
+ * segment cache is left: a new slab takes a cached segment before it maps
+ * anything, so it was empty when the slab could not be had. Runs with no
+ * lock held: trimming takes each class lock in turn. */
+static HK_NOINLINE uint32_t take_after_trim(hk_tcache_t* tc, hk_central_t* c, unsigned cls,
+                                            uint32_t n, uint32_t most, void** head) {
+  bool any = _hk_trim_warm();
+  any |= _hk_huge_trim();
+  if (!any) return 0;
+  return take_any(tc, c, cls, n, most, head);
 }
 
 void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
@@ -282,11 +593,10 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   if (want == 0 || want > cold->batch) want = cold->batch < 4 ? cold->batch : 4;
   if (want == 0) want = 1;
   cold->fill = want * 2 < cold->batch ? want * 2 : cold->batch;
-  _hk_lock(&c->lock);
-  uint32_t got = xfer_take(c, cold->batch, &head);
-  if (got == 0) got = take_blocks(c, cls, want, &head, tc->tid);
-  _hk_unlock(&c->lock);
-  if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, want, &head, tc->tid);
+  /* The bin is empty: it holds cap blocks, and one goes to the caller. */
+  uint32_t most = cold->cap + 1;
+  uint32_t got = take_any(tc, c, cls, want, most, &head);
+  if (HK_UNLIKELY(got == 0)) got = take_after_trim(tc, c, cls, want, most, &head);
   hk_add_relaxed(&c->c.refills, 1);
   hk_add_relaxed(&c->c.refill_blocks, got);
   /* ticks, stats.c converts; the kernel's time is priced apart (prim.c) */
@@ -306,64 +616,72 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   if (n > _hk_bin_count(bin)) n = _hk_bin_count(bin);
   if (n == 0) return;
   uint64_t t0 = _hk_os_ticks(), k0 = _hk_kernel_ticks;
-  hk_slab_t* release = NULL;
+  route_t r;
+  route_begin(&r, tc->state == HK_TC_ACTIVE ? tc->rec : NULL, cls);
   void* b = bin->head;
-  if (n > 1 && n <= tc->cold[cls].batch && (uint64_t)n * _hk_class[cls].size <= HK_XFER_BYTES) {
-    /* Cut the chain outside the lock, then park it if a slot and the byte
-     * bound allow (see "transfer"). */
-    void* last = b;
-    uint32_t remote = 0;
-    for (uint32_t i = 0;; i++) {
-      /* Counted here, as give_block would: frees of blocks from slabs that
-       * another thread last refilled from (a racy read: a statistic). */
-      const hk_segment_t* seg = _hk_segment_of(last);
-      const hk_slab_t* sl = &seg->slabs[seg->page_start[_hk_page_of(last)] >> HK_PAGE_SHIFT];
-      remote += sl->owner != tc->tid;
-      if (i + 1 == n) break;
-      last = *(void**)last;
-    }
-    void* rest = *(void**)last;
-    *(void**)last = NULL;
-    _hk_lock(&c->lock);
-    if (c->xfer_count < HK_XFER_SLOTS &&
-        (c->xfer_blocks + n) * _hk_class[cls].size <= HK_XFER_BYTES) {
-      c->xfer[c->xfer_count].head = b;
-      c->xfer[c->xfer_count++].n = n;
-      c->xfer_blocks += n;
-      if (remote) hk_add_relaxed(&c->c.remote_frees, remote);
-      b = rest;
-    } else {
-      for (uint32_t i = 0; i < n; i++) {
-        void* next = *(void**)b;
-        give_block(c, cls, b, tc->tid, &release);
-        b = next;
-      }
-      b = rest;
-      warm_shrink(c, cls, hk_load_relaxed(&_hk_warm_limit[cls]), &release);
-    }
-    _hk_unlock(&c->lock);
-  } else {
-    _hk_lock(&c->lock);
-    for (uint32_t i = 0; i < n; i++) {
-      void* next = *(void**)b;
-      give_block(c, cls, b, tc->tid, &release);
-      b = next;
-    }
-    warm_shrink(c, cls, hk_load_relaxed(&_hk_warm_limit[cls]), &release);
-    _hk_unlock(&c->lock);
+  for (uint32_t i = 0; i < n; i++) {
+    void* next = *(void**)b;
+    route_block(&r, b);
+    b = next;
   }
   bin->head = b;
   bin->room += (int32_t)n;
+  route_end(&r);
   _hk_publish(tc, cls);
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, n);
-  release_all(release);
+  if (r.remote) hk_add_relaxed(&c->c.remote_frees, r.remote);
   hk_add_relaxed(&c->c.slow_ns, _hk_os_ticks() - t0 - (_hk_kernel_ticks - k0));   /* as in _hk_refill */
 }
 
+void _hk_stash_flush(hk_tcache_t* tc, unsigned cls) {
+  if (tc->rec && tc->state == HK_TC_ACTIVE) stash_flush(tc->rec, tc->rec, cls);
+}
+
 void _hk_flush_thread(hk_tcache_t* tc) {
-  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++)
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     if (_hk_bin_count(&tc->bin[cls])) _hk_drain(tc, cls, _hk_bin_count(&tc->bin[cls]));
+    _hk_stash_flush(tc, cls);
+  }
+}
+
+/* The slabs of a thread that ended (or, in a fork's child, does not exist)
+ * go to their classes: those with blocks out to the central lists, empty
+ * ones to the warm pool or the OS. Its bins must be flushed or lost
+ * already; its stash and inbox go back to their slabs first. Run by the
+ * thread itself at its end, or with the registry lock held for a record
+ * nobody else uses. */
+void _hk_slabs_orphan(hk_thread_rec_t* rec) {
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    stash_flush(rec, rec, cls);
+    if (!rec->own[cls] && !rec->own_full[cls]) continue;
+    hk_central_t* c = &_hk_central[cls];
+    hk_slab_t* release = NULL;
+    _hk_lock(&c->lock);
+    while (rec->own[cls]) {
+      hk_slab_t* s = rec->own[cls];
+      slab_unlink(&rec->own[cls], s);
+      if (s->used == 0) {
+        retire(c, cls, s, &release);
+      } else {
+        hk_store_relaxed(&s->owner, NULL);
+        slab_push(&c->partial, s);
+      }
+    }
+    while (rec->own_full[cls]) {
+      hk_slab_t* s = rec->own_full[cls];
+      slab_unlink(&rec->own_full[cls], s);
+      hk_store_relaxed(&s->owner, NULL);   /* FULL, on no list, as a central slab */
+    }
+    _hk_unlock(&c->lock);
+    release_all(release);
+  }
+}
+
+/* The inboxes of records no thread has (thread.c, registry lock held):
+ * blocks freed there after their owner ended go to their slabs now. */
+void _hk_inbox_sweep(hk_thread_rec_t* rec) {
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) stash_flush(rec, NULL, cls);
 }
 
 /* One block without a thread cache: check mode, a cache capacity of 0, or a
@@ -372,9 +690,13 @@ void* _hk_alloc_direct(unsigned cls) {
   hk_central_t* c = &_hk_central[cls];
   void* b;
   _hk_lock(&c->lock);
-  uint32_t got = take_blocks(c, cls, 1, &b, _hk_tc.tid);
+  uint32_t got = take_central(c, cls, 1, 1, &b);
   _hk_unlock(&c->lock);
-  if (HK_UNLIKELY(got == 0)) got = take_after_trim(c, cls, 1, &b, _hk_tc.tid);
+  if (HK_UNLIKELY(got == 0) && (_hk_trim_warm() | _hk_huge_trim())) {
+    _hk_lock(&c->lock);
+    got = take_central(c, cls, 1, 1, &b);
+    _hk_unlock(&c->lock);
+  }
   if (!got) return NULL;
   hk_add_relaxed(&c->c.refills, 1);
   hk_add_relaxed(&c->c.refill_blocks, 1);
@@ -384,13 +706,14 @@ void* _hk_alloc_direct(unsigned cls) {
 
 void _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
   hk_central_t* c = &_hk_central[cls];
-  hk_slab_t* release = NULL;
-  _hk_lock(&c->lock);
-  give_block(c, cls, p, _hk_tc.tid, &release);
-  _hk_unlock(&c->lock);
+  hk_tcache_t* tc = &_hk_tc;
+  route_t r;
+  route_begin(&r, tc->state == HK_TC_ACTIVE ? tc->rec : NULL, cls);
+  route_block(&r, p);
+  route_end(&r);
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, 1);
-  release_all(release);
+  if (r.remote) hk_add_relaxed(&c->c.remote_frees, r.remote);
 }
 
 /* Once per drain interval, process-wide: a warm pool that no refill drew
@@ -412,13 +735,12 @@ void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
         memory_order_relaxed, memory_order_relaxed)) return;
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_central_t* c = &_hk_central[cls];
-    if (c->warm_count == 0 && c->xfer_count == 0) {   /* racy peek: a miss waits for the next pass */
+    if (c->warm_count == 0) {   /* racy peek: a miss waits for the next pass */
       c->warm_seen = hk_load_relaxed(&c->c.slabs_from_warm);
       continue;
     }
     hk_slab_t* release = NULL;
     _hk_lock(&c->lock);
-    xfer_flush(c, cls, &release);
     uint64_t taken = hk_load_relaxed(&c->c.slabs_from_warm);
     uint32_t keep = taken == c->warm_seen ? c->warm_count / 2
                                           : c->warm_count - (c->warm_low + 1) / 2;
@@ -431,6 +753,7 @@ void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
   }
   _hk_segment_decay();
   _hk_huge_decay();
+  _hk_inbox_sweep_free_records();
 }
 
 bool _hk_trim_warm(void) {
@@ -439,7 +762,6 @@ bool _hk_trim_warm(void) {
     hk_central_t* c = &_hk_central[cls];
     hk_slab_t* release = NULL;
     _hk_lock(&c->lock);
-    xfer_flush(c, cls, &release);
     warm_shrink(c, cls, 0, &release);
     _hk_unlock(&c->lock);
     any |= release != NULL;

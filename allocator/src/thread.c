@@ -13,6 +13,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stddef.h>
 
 #include "internal.h"
 #include "trace.h"
@@ -67,7 +68,10 @@ static hk_thread_rec_t* rec_alloc(void) {   /* registry lock held */
 static void rec_unlink(hk_thread_rec_t* r) {   /* registry lock held */
   if (r->prev) r->prev->next = r->next; else registry = r->next;
   if (r->next) r->next->prev = r->prev;
-  memset(r, 0, sizeof *r);
+  /* Not the inboxes: a thread may be pushing a block there on a stale
+   * read of a slab's owner (slab.c "ownership"); the record's next thread,
+   * or the decay pass, takes what arrives. */
+  memset(r, 0, offsetof(hk_thread_rec_t, inbox));
   r->next = rec_free;
   rec_free = r;
   rec_count--;
@@ -80,6 +84,7 @@ static void sweep_dead(void) {   /* registry lock held */
   for (hk_thread_rec_t* r = registry, *next; r; r = next) {
     next = r->next;
     if (_hk_os_thread_gone(r->tid)) {
+      _hk_slabs_orphan(r);
       for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
         hk_add_relaxed(&_hk_central[cls].c.allocs, hk_load_relaxed(&r->allocs[cls]));
         hk_add_relaxed(&_hk_central[cls].c.lost_blocks, hk_load_relaxed(&r->cached[cls]));
@@ -107,6 +112,7 @@ static void thread_exit(void* arg) {
   if (tc->state != HK_TC_ACTIVE) return;
   _hk_trace_thread_exit(tc);   /* THREAD_EXIT, and the bins untrapped */
   _hk_flush_thread(tc);
+  if (tc->rec) _hk_slabs_orphan(tc->rec);
   _hk_registry_lock();
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_add_relaxed(&_hk_central[cls].c.allocs, _hk_bin_allocs(&tc->bin[cls]));
@@ -160,6 +166,14 @@ hk_tcache_t* _hk_tcache_setup(void) {
   return tc;
 }
 
+/* Blocks freed into the inboxes of records that no thread has (slab.c
+ * "ownership") go to their slabs: run by the decay pass. */
+void _hk_inbox_sweep_free_records(void) {
+  _hk_registry_lock();
+  for (hk_thread_rec_t* r = rec_free; r; r = r->next) _hk_inbox_sweep(r);
+  _hk_registry_unlock();
+}
+
 /* Sums every live thread's published counters (stats.c). */
 void _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks) {
   hk_tcache_t* me = &_hk_tc;
@@ -189,6 +203,7 @@ void _hk_thread_after_fork_child(void) {
   for (hk_thread_rec_t* r = registry, *next; r; r = next) {
     next = r->next;
     if (r == me->rec) continue;
+    _hk_slabs_orphan(r);
     for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
       hk_add_relaxed(&_hk_central[cls].c.allocs, hk_load_relaxed(&r->allocs[cls]));
       hk_add_relaxed(&_hk_central[cls].c.lost_blocks, hk_load_relaxed(&r->cached[cls]));

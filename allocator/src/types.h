@@ -5,7 +5,7 @@
  *                 pages; page 0 holds this header, pages 1..63 hold slabs.
  *   hk_slab_t     a run of 1..16 pages of one segment serving one size class;
  *                 its descriptor lives in the segment header.
- *   hk_central_t  per size class: the lock, partial slabs, the warm pool.
+ *   hk_central_t  per size class: the lock, slabs no thread owns, the warm pool.
  *   hk_tcache_t   per thread: a bounded free list per size class (the fast path).
  *   hk_thread_rec_t  per thread, outside TLS: what other threads may read
  *                 about it (published counters), so a thread that died without
@@ -70,23 +70,36 @@ typedef struct hk_lock_s {
 } hk_lock_t;
 
 /* ---- slab -------------------------------------------------------------------
- * Invariant (under the class lock):
- *   used + |free| + (end - bump) / block_size == capacity
- * where `used` counts blocks out of the slab: live in the program or parked
- * in some thread cache.
+ * Invariant (under the class lock, or by its owner):
+ *   used + nfree + (end - bump) / block_size == capacity,
+ *   nfree == cur_n + |chains|,  cur_n == |free|
+ * where `used` counts blocks out of the slab: live in the program, in some
+ * thread cache, or on their way back to the owner (slab.c "ownership").
  */
 enum { HK_SLAB_UNUSED = 0, HK_SLAB_PARTIAL, HK_SLAB_FULL, HK_SLAB_WARM };
 
+struct hk_thread_rec_s;
+
 typedef struct hk_slab_s {
-  void*     free;        /* blocks returned to this slab (singly linked) */
+  /* Blocks returned to this slab, in chains of at most _hk_chain_len[cls]
+   * (slab.c "chains"): `free` is the chain being built, of cur_n blocks;
+   * `chains` the full ones, each headed as an inbox chain. */
+  void*     free;
+  void*     chains;
   uint8_t*  bump;        /* next never-handed-out block */
   uint8_t*  end;         /* start + capacity * block_size */
   uint8_t*  start;       /* first block, page aligned */
-  struct hk_slab_s* next;/* partial list or warm pool of the class */
+  struct hk_slab_s* next;/* owner's or central partial list, full list, warm pool */
   struct hk_slab_s* prev;
+  /* The thread that takes blocks from this slab and gives them back
+   * without a lock, or NULL: the class's (central, under its lock). Set
+   * under the class lock; read without one by any thread freeing a block
+   * of the slab, to pick where the block goes (slab.c "ownership"). */
+  struct hk_thread_rec_s* _Atomic owner;
   uint32_t  used;        /* blocks out of the slab */
   uint32_t  capacity;    /* blocks that fit */
-  uint32_t  owner;       /* tid of the thread that last refilled from it */
+  uint32_t  nfree;       /* blocks on `free` and `chains` */
+  uint32_t  cur_n;       /* blocks on `free` */
   uint8_t   cls;
   uint8_t   cold;        /* carved from pages not resident: its never-used blocks fault in (fresh_pages) */
   uint8_t   pages;       /* span length, pages */
@@ -133,27 +146,13 @@ typedef struct hk_class_counters_s {
   HK_CLASS_COUNTERS(HK_X_ATOMIC)
 } hk_class_counters_t;
 
-/* Transfer cache (slab.c "transfer"): whole drained chains parked for the
- * next refill of any thread, moved in O(1) under the class lock. */
-#define HK_XFER_SLOTS  8
-#define HK_XFER_BYTES  (256u << 10)    /* most bytes parked per class */
-
-typedef struct hk_xfer_s {
-  void*    head;          /* a chain of n blocks, NULL-terminated */
-  uint32_t n;
-  uint32_t _pad;
-} hk_xfer_t;
-
 typedef struct hk_central_s {
   hk_lock_t  lock;
-  hk_slab_t* partial;     /* slabs with free or never-used blocks */
+  hk_slab_t* partial;     /* central slabs (no owner) with free or never-used blocks */
   hk_slab_t* warm;        /* empty slabs kept for reuse */
   uint32_t   warm_count;
-  uint32_t   xfer_count;  /* chains in xfer[0 .. xfer_count) */
-  uint64_t   warm_seen;   /* slabs_from_warm at the last decay pass */
   uint32_t   warm_low;    /* the least warm_count since the last decay pass */
-  uint64_t   xfer_blocks; /* blocks in those chains */
-  hk_xfer_t  xfer[HK_XFER_SLOTS];
+  uint64_t   warm_seen;   /* slabs_from_warm at the last decay pass */
   hk_class_counters_t c;  /* cumulative counters (relaxed atomics) */
 } __attribute__((aligned(64))) hk_central_t;
 
@@ -162,7 +161,7 @@ typedef struct hk_class_info_s {
   uint32_t size;          /* block size */
   uint32_t slab_pages;    /* pages per slab */
   uint32_t slab_blocks;   /* blocks per slab */
-  uint32_t _pad;
+  uint32_t chain_len;     /* most blocks in a chain of a slab's free blocks */
 } hk_class_info_t;
 
 /* ---- thread cache ----------------------------------------------------------
@@ -220,6 +219,16 @@ typedef struct hk_thread_rec_s {
   uint32_t _pad;
   struct hk_thread_rec_s* next;             /* registry, or free list */
   struct hk_thread_rec_s* prev;
+  /* Slabs this thread owns, per class (slab.c "ownership"): touched by the
+   * thread alone while it lives, and when it is gone by whoever hands
+   * them back to the class (thread.c), which is why they are here and
+   * not in TLS. */
+  hk_slab_t* own[HK_NUM_CLASSES];           /* with free or never-used blocks */
+  hk_slab_t* own_full[HK_NUM_CLASSES];      /* every block out */
+  void*      stash[HK_NUM_CLASSES];         /* chains taken from inbox, not yet used */
+  /* Blocks of this thread's slabs that other threads freed: chains pushed
+   * with one compare-and-swap each, taken by this thread in one exchange. */
+  _Atomic(void*) inbox[HK_NUM_CLASSES] __attribute__((aligned(64)));
 } hk_thread_rec_t;
 
 typedef struct hk_tcache_s {

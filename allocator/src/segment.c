@@ -187,6 +187,7 @@ hk_slab_t* _hk_slab_carve(unsigned cls) {
   slab->used = 0;
   slab->capacity = ci->slab_blocks;
   slab->nfree = 0;
+  slab->last_tid = 0;
   slab->cur_n = 0;
   slab->chains = NULL;
   hk_store_relaxed(&slab->owner, NULL);

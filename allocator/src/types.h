@@ -100,11 +100,16 @@ typedef struct hk_slab_s {
   uint32_t  capacity;    /* blocks that fit */
   uint32_t  nfree;       /* blocks on `free` and `chains` */
   uint32_t  cur_n;       /* blocks on `free` */
+  uint32_t  last_tid;    /* the thread that last took blocks from it: a free
+                            by any other counts as remote (remote_frees) */
   uint8_t   cls;
   uint8_t   cold;        /* carved from pages not resident: its never-used blocks fault in (fresh_pages) */
   uint8_t   pages;       /* span length, pages */
   uint8_t   state;       /* HK_SLAB_* */
-} hk_slab_t;
+} __attribute__((aligned(128))) hk_slab_t;
+/* 128 bytes, so that finding a block's slab shifts the page's offset where
+ * 88 took a multiply-add chain in every drained block (slab.c give_local). */
+_Static_assert(sizeof(hk_slab_t) == 128, "a slab descriptor is 128 bytes");
 _Static_assert(HK_NUM_CLASSES <= 256, "hk_slab_t.cls is a byte");
 
 /* ---- segment ------------------------------------------------------------- */

@@ -36,7 +36,7 @@ uint8_t _hk_map[HK_MAP_ENTRIES] HK_SPARSE_BSS;
 
 static hk_lock_t seg_lock;
 static hk_segment_t* seg_list;                 /* segments with free pages */
-static hk_segment_t* seg_cache[HK_SEG_CACHE_MAX];
+static hk_segment_t* seg_cache[HK_SEG_CACHE_DIRTY_MAX];
 static unsigned seg_cache_count;
 static uintptr_t reserve_next, reserve_end;    /* address space for new segments */
 /* Dirty pages in all segments (written under seg_lock; read without it for
@@ -128,7 +128,8 @@ static void segment_unmap(hk_segment_t* s) {
 }
 
 static void segment_free(hk_segment_t* s) {
-  if (seg_cache_count < HK_SEG_CACHE_MAX) {
+  if (seg_cache_count < HK_SEG_CACHE_MAX ||
+      (s->dirty_pages && seg_cache_count < HK_SEG_CACHE_DIRTY_MAX)) {
     seg_cache[seg_cache_count++] = s;
     return;
   }

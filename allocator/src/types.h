@@ -50,8 +50,13 @@ enum { HK_MAP_NONE = 0, HK_MAP_SEGMENT = 1, HK_MAP_HUGE = 2 };
 /* Segments are reserved this many at a time (address space only) so that
  * getting 4 MiB alignment costs three syscalls per 16 segments, not per one. */
 #define HK_RESERVE_SEGMENTS 16
-/* Empty segments kept mapped (their pages already returned) before munmap. */
-#define HK_SEG_CACHE_MAX    2
+/* Empty segments kept mapped before munmap: any 2, and up to 32 that still
+ * hold dirty pages, which count against the dirty cap and decay as any
+ * (segment.c "dirty pages"): unmapping one threw its pages away, and the
+ * next segment faulted them in again (mstress: twice the faults once each
+ * thread let go of the slabs it owned). */
+#define HK_SEG_CACHE_MAX       2
+#define HK_SEG_CACHE_DIRTY_MAX 32
 /* Huge mappings kept for reuse after free: count and total bytes (huge.c
  * "cache_budget"); one that stays unused for a whole drain interval goes
  * back to the OS (_hk_huge_decay). */

@@ -157,6 +157,28 @@ TEST(freed_pages_serve_another_class_without_faults) {
   malloc_trim(0);
 }
 
+/* A segment that empties keeps its dirty pages for the next slabs, as a
+ * slab's pages do: 21 MB (six segments) of 3000-byte blocks freed, then 21
+ * MB of 1000-byte blocks written whole. Unmapping every empty segment but
+ * two threw their pages away: 2,291 faults, against 710 kept. */
+TEST(emptied_segments_keep_their_dirty_pages) {
+  set_all(16, 8, 0, 0);
+  warm_zero_only(1000, 3000);
+  malloc_trim(0);
+  enum { N = 7000 };   /* 3000-byte blocks: 21 MB */
+  static void* p[3 * N];
+  for (int i = 0; i < N; i++) { p[i] = malloc(3000); memset(p[i], 1, 3000); }
+  for (int i = 0; i < N; i++) free(p[i]);
+  hk_thread_flush();
+  long f0 = minor_faults();
+  for (int i = 0; i < 3 * N; i++) { p[i] = malloc(1000); memset(p[i], 2, 1000); }
+  long faults = minor_faults() - f0;
+  for (int i = 0; i < 3 * N; i++) free(p[i]);
+  harness_say("  21 MB of another class on emptied segments: %ld page faults\n", faults);
+  CHECK(faults < 1200);
+  malloc_trim(0);
+}
+
 /* Dirty pages nobody took for a whole drain interval go back to the OS by
  * themselves, while another class keeps the slow paths running. */
 TEST(idle_dirty_pages_go_back_within_two_intervals) {
@@ -576,6 +598,7 @@ int main(int argc, char** argv) {
   RUN(large_capacity_makes_refills_rare);
   RUN(warm_pool_zero_sends_slab_churn_to_the_page_level);
   RUN(freed_pages_serve_another_class_without_faults);
+  RUN(emptied_segments_keep_their_dirty_pages);
   RUN(idle_dirty_pages_go_back_within_two_intervals);
   RUN(keeping_no_empty_slabs_keeps_no_dirty_pages);
   RUN(the_dirty_cap_follows_the_policys_warm_pools);

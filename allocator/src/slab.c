@@ -123,30 +123,45 @@ static void check_verify_fill(const hk_slab_t* s, const uint8_t* b) {
  * chain in one step without reading a block: taking part of one long list
  * reads every block taken, each a cache miss (sh8bench spent 76% of its
  * refills on that one load). Not in check mode, whose fill covers word 1. */
+/* A chain's header, in word 1 of its first block h: the next chain and
+ * this one's length (slab chains and inbox chains alike). */
+HK_INLINE void chain_head_set(void* h, uintptr_t next, uint32_t n) {
+  uintptr_t* w = (uintptr_t*)h + 1;
+  HK_VG_DEFINED(w, sizeof *w);
+  *w = (next & CHAIN_NEXT) | ((uintptr_t)n << CHAIN_SHIFT);
+  HK_VG_NOACCESS(w, sizeof *w);
+}
+
+/* The next chain after h; *n gets h's length. */
+HK_INLINE uintptr_t chain_head_get(const void* h, uint32_t* n) {
+  const uintptr_t* w = (const uintptr_t*)h + 1;
+  HK_VG_DEFINED(w, sizeof *w);
+  uintptr_t v = *w;
+  HK_VG_NOACCESS(w, sizeof *w);
+  *n = (uint32_t)(v >> CHAIN_SHIFT);
+  return v & CHAIN_NEXT;
+}
+
+/* The chain being built at s->free is full: onto s->chains. */
+static HK_NOINLINE void chain_close(hk_slab_t* s, void* b, uint32_t n) {
+  chain_head_set(b, (uintptr_t)s->chains, n);
+  s->chains = b;
+  s->free = NULL;
+  s->cur_n = 0;
+}
+
 HK_INLINE void slab_put(hk_slab_t* s, void* b) {
   *(void**)b = s->free;
   s->free = b;
   s->nfree++;
-  if (HK_UNLIKELY(++s->cur_n >= _hk_class[s->cls].chain_len) && !_hk_check_mode) {
-    uintptr_t* w = (uintptr_t*)b + 1;
-    HK_VG_DEFINED(w, sizeof *w);
-    *w = (uintptr_t)s->chains | ((uintptr_t)s->cur_n << CHAIN_SHIFT);
-    HK_VG_NOACCESS(w, sizeof *w);
-    s->chains = b;
-    s->free = NULL;
-    s->cur_n = 0;
-  }
+  if (HK_UNLIKELY(++s->cur_n >= _hk_class[s->cls].chain_len) && !_hk_check_mode)
+    chain_close(s, b, s->cur_n);
 }
 
-/* The first full chain of s off its list; *n its length. */
+/* The first full chain of s; *n its length, *next the one after it. */
 HK_INLINE void* chain_peek(const hk_slab_t* s, uint32_t* n, uintptr_t* next) {
-  void* c = s->chains;
-  uintptr_t* w = (uintptr_t*)c + 1;
-  HK_VG_DEFINED(w, sizeof *w);
-  *next = *w & CHAIN_NEXT;
-  *n = (uint32_t)(*w >> CHAIN_SHIFT);
-  HK_VG_NOACCESS(w, sizeof *w);
-  return c;
+  *next = chain_head_get(s->chains, n);
+  return s->chains;
 }
 
 /* Takes blocks of slab s onto the chain at *head (its owner, or the class
@@ -396,11 +411,9 @@ typedef struct route_s {
 
 static void push_chain(hk_thread_rec_t* to, unsigned cls, void* head, uint32_t n) {
   _Atomic(void*)* inbox = &to->inbox[cls];
-  uintptr_t* w = (uintptr_t*)head + 1;
-  HK_VG_DEFINED(w, sizeof *w);
   void* old = hk_load_relaxed(inbox);
   do {
-    *w = ((uintptr_t)old & CHAIN_NEXT) | ((uintptr_t)n << CHAIN_SHIFT);
+    chain_head_set(head, (uintptr_t)old, n);
   } while (!atomic_compare_exchange_weak_explicit(inbox, &old, head, memory_order_release,
                                                   memory_order_relaxed));
 }
@@ -436,17 +449,6 @@ static HK_NOINLINE void give_local_checked(route_t* r, hk_slab_t* s, void* b) {
   slab_put(s, b);
   s->used--;
   give_local_moved(r, s);
-}
-
-/* Closes the chain a give just completed (see "chains"). */
-static HK_NOINLINE void chain_close(hk_slab_t* s, void* b, uint32_t n) {
-  uintptr_t* w = (uintptr_t*)b + 1;
-  HK_VG_DEFINED(w, sizeof *w);
-  *w = (uintptr_t)s->chains | ((uintptr_t)n << CHAIN_SHIFT);
-  HK_VG_NOACCESS(w, sizeof *w);
-  s->chains = b;
-  s->free = NULL;
-  s->cur_n = 0;
 }
 
 /* A block of a slab `me` owns back to it, without a lock: the checks
@@ -545,9 +547,8 @@ HK_INLINE void route_begin(route_t* r, hk_thread_rec_t* me, uint32_t tid, unsign
 
 static void route_chains(route_t* r, void* h) {
   while (h) {
-    uintptr_t* w = (uintptr_t*)h + 1;
-    HK_VG_DEFINED(w, sizeof *w);
-    void* next = (void*)(*w & CHAIN_NEXT);
+    uint32_t n;
+    void* next = (void*)chain_head_get(h, &n);
     for (void* b = h, *nb; b; b = nb) {
       nb = *(void**)b;
       route_block(r, b);
@@ -581,19 +582,14 @@ static uint32_t take_stash(hk_thread_rec_t* me, unsigned cls, uint32_t most, voi
     h = atomic_exchange_explicit(&me->inbox[cls], NULL, memory_order_acquire);
     if (!h) return 0;
   }
-  uintptr_t* w = (uintptr_t*)h + 1;
-  HK_VG_DEFINED(w, sizeof *w);
-  uintptr_t next = *w & CHAIN_NEXT;
-  uint32_t n = (uint32_t)(*w >> CHAIN_SHIFT);
-  HK_VG_NOACCESS(w, sizeof *w);
+  uint32_t n;
+  uintptr_t next = chain_head_get(h, &n);
   if (n > most) {   /* a chain longer than the cache holds: cut it */
     void* t = h;
     for (uint32_t i = 1; i < most; i++) t = *(void**)t;
     void* rest = *(void**)t;
     *(void**)t = NULL;
-    uintptr_t* rw = (uintptr_t*)rest + 1;
-    HK_VG_DEFINED(rw, sizeof *rw);
-    *rw = next | ((uintptr_t)(n - most) << CHAIN_SHIFT);
+    chain_head_set(rest, next, n - most);
     next = (uintptr_t)rest;
     n = most;
   }

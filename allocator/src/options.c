@@ -230,7 +230,7 @@ static uint64_t warm_pages(const hk_policy_t* p) {
 /* The dirty pages (segment.c) are the warm pool of every size, so a policy
  * that keeps fewer empty slabs than the default keeps fewer of them too, in
  * proportion: one that keeps none keeps no freed pages resident at all
- * (otherwise warm=0 only moved up to 64 MiB from the class pools into the
+ * (otherwise warm=0 only moved up to 256 MiB from the class pools into the
  * dirty pages, and a program that idles between spikes could not be told
  * to keep nothing). A policy at or above the default leaves the cap as is. */
 static uint32_t dirty_share_of(const hk_policy_t* p) {

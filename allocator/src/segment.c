@@ -43,13 +43,19 @@ static uintptr_t reserve_next, reserve_end;    /* address space for new segments
  * the cap, which is advice). */
 static _Atomic uint64_t dirty_total;
 
-/* At most this many dirty pages: 64 MiB, or an eighth of what the process
+/* At most this many dirty pages: 256 MiB, or an eighth of what the process
  * has committed when that is more. With 32 MiB, mimalloc-bench's mstress
  * (2 threads replacing objects of 8 B to 5 MiB) gave back and faulted in
  * again slabs of its 160 KiB-1 MiB classes 800-1,000 times a run: about
- * 45k of its 105k page faults. What is kept is kept for a drain interval
- * or two (_hk_segment_decay), not for good. */
-#define DIRTY_MIN_PAGES ((64u << 20) >> HK_PAGE_SHIFT)
+ * 45k of its 105k page faults. With 64 MiB, mimalloc's test-stress (32
+ * threads whose live set swings by 100-200 MiB) made 31-33k madvise calls
+ * and 870-916k page faults a run (mimalloc: 2.7-3.2k and 420-530k), and
+ * with 128 MiB 9-10k and 240-270k; with 256 MiB 1.6k and 62-65k, at a
+ * peak RSS of 229-241 MB (mimalloc 306-324, jemalloc 226). A process holds
+ * no more dirty pages than it freed, and what is kept is kept for a drain
+ * interval or two (_hk_segment_decay), not for good: jemalloc keeps its
+ * dirty pages 10 s by default, with no cap. */
+#define DIRTY_MIN_PAGES ((256u << 20) >> HK_PAGE_SHIFT)
 #define DIRTY_SHARE     8
 
 #define ALL_SLAB_PAGES (~(uint64_t)1)          /* pages 1..63 */

@@ -232,7 +232,7 @@ TEST(keeping_no_empty_slabs_keeps_no_dirty_pages) {
 }
 
 /* Halving every class's warm pool from the default halves the dirty cap:
- * 128 MiB of 1000-byte blocks freed leaves 32 MiB dirty, not 64. */
+ * 512 MiB of 1000-byte blocks freed leaves 128 MiB dirty, not 256. */
 TEST(the_dirty_cap_follows_the_policys_warm_pools) {
   set_all(16, 8, 0, 0);
   hk_policy_t p;
@@ -248,8 +248,8 @@ TEST(the_dirty_cap_follows_the_policys_warm_pools) {
     hk_stats_t a, b;
     snap(&a);
     /* One block in every 1024 stays live, so no segment empties whole (an
-     * empty segment is unmapped, dirty pages and all): 128 slabs, 8 MiB. */
-    enum { N = 128 * 1024, PIN_EVERY = 1024 };
+     * empty segment is unmapped, dirty pages and all): 512 slabs, 32 MiB. */
+    enum { N = 512 * 1024, PIN_EVERY = 1024 };
     static void* blk[N];
     for (int i = 0; i < N; i++) { blk[i] = malloc(1000); memset(blk[i], 1, 1000); }
     for (int i = 0; i < N; i++)
@@ -259,10 +259,10 @@ TEST(the_dirty_cap_follows_the_policys_warm_pools) {
     dirty[half] = b.committed_bytes - a.committed_bytes;
     for (int i = 0; i < N; i += PIN_EVERY) free(blk[i]);
   }
-  harness_say("  kept after 128 MiB freed: default pools %llu KiB, half of them %llu KiB\n",
+  harness_say("  kept after 512 MiB freed: default pools %llu KiB, half of them %llu KiB\n",
               (unsigned long long)dirty[0] >> 10, (unsigned long long)dirty[1] >> 10);
-  CHECK(dirty[0] >= 67ull << 20 && dirty[0] <= 75ull << 20);   /* 64 MiB and the pins' 8 MiB */
-  CHECK(dirty[1] >= 35ull << 20 && dirty[1] <= 43ull << 20);
+  CHECK(dirty[0] >= 280ull << 20 && dirty[0] <= 296ull << 20);   /* 256 MiB and the pins' 32 MiB */
+  CHECK(dirty[1] >= 152ull << 20 && dirty[1] <= 168ull << 20);
   malloc_trim(0);
 }
 

@@ -557,6 +557,14 @@ def children_of(pid):
     return [int(d) for d in os.listdir("/proc") if d.isdigit() and (_stat(d) or ("", 0))[1] == pid]
 
 
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def test_the_replayer_dies_with_its_parent(tmp_path):
     """Started in a session of its own (as the Python side starts it), the
     replayer and its run outlived a killed parent (before: both still there
@@ -574,7 +582,12 @@ def test_the_replayer_dies_with_its_parent(tmp_path):
     pids = []
     try:
         pids.append(int(mid.stdout.readline()))
-        pids += wait_for(lambda: children_of(pids[0]), 10, "the replayer's run")
+        # The run once it has exec'd (its command line says --run-fd): just
+        # after the fork it checks its parent itself and would leave on its
+        # own if the replayer were gone by then, which proves nothing about
+        # the death signal (under load that race let a mutant through).
+        pids += wait_for(lambda: [c for c in children_of(pids[0]) if b"--run-fd" in cmdline(c)], 10,
+                         "the replayer's run, exec'd")
         mid.kill()
         mid.wait()
         wait_for(lambda: not any(alive(p) for p in pids), 2,

@@ -244,7 +244,7 @@ mutate: venv ## apply each curated bug (tools/mutants.toml) to a copy of the tre
 
 .PHONY: demo demo-synthetic
 # make demo: redis-server under redis-benchmark, tuned by learnd (tools/demo_redis.py, issue 17).
-demo: deps lib venv ## redis-server preloaded under redis-benchmark, learnd tuning it for a minute; default vs learned (DEMO_S=60)
+demo: deps lib venv ## redis-server preloaded under redis-benchmark, learnd tuning it for a minute; what it changed, measured (DEMO_S=60)
 	$(Q)tools/install-deps.sh redis
 	$(Q)$(PY) tools/demo_redis.py --build $(BUILD) $(if $(DEMO_S),--seconds $(DEMO_S))
 

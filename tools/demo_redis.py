@@ -6,15 +6,18 @@ hakmem-learnd started on a fresh state directory tunes it for about a
 minute while this prints what it does; then the learned policy
 (`hakmem policy show redis-server`), the SQLite file, the metrics endpoint,
 and redis's throughput and resident memory under the default policy and
-under the learned one. Everything it starts runs in private places (a
+under the learned one, with what the rounds allow saying of the difference
+(nothing is compared when learnd kept the default: that would compare a
+policy with itself). Everything it starts runs in private places (a
 temporary directory, a unix socket there, no TCP for redis, a telemetry
 directory of its own under /dev/shm) and is stopped at the end, on an error
 or on Ctrl-C.
 
-    tools/demo_redis.py [--build build] [--seconds 60] [--rounds 2] [--keep]
+    tools/demo_redis.py [--build build] [--seconds 60] [--rounds 3] [--keep]
 """
 import argparse
 import json
+import math
 import os
 import pathlib
 import re
@@ -46,6 +49,48 @@ class DemoError(Exception):
     pass
 
 
+def verdict(default, learned):
+    """What the rounds of one measure allow saying, from their ranges: a
+    difference only where every learned round is beyond every default round.
+    With 3 rounds a side, two runs of the same policy separate that way by
+    chance 1 time in 10 (2 / C(6, 3)); overlapping ranges say nothing. Returns (word,
+    change of medians or None): a change is shown only beside a difference,
+    so noise is never printed as a gain."""
+    if not default or not learned:
+        return "not measured", None
+    m0, m1 = statistics.median(default), statistics.median(learned)
+    change = (m1 / m0 - 1) if m0 else None
+    if min(learned) > max(default):
+        return "higher", change
+    if max(learned) < min(default):
+        return "lower", change
+    return "no difference beyond noise", None
+
+
+def comparison(runs):
+    """The closing table's lines: runs = {"default"|"learned": [(rows, rss
+    KiB)]}, rows = {test: (req/s, ...)}, one entry a round."""
+    def shown(word, change):
+        return word if change is None else f"{word} {change * 100:+.1f}%"
+
+    def line(name, a, b, fmt):
+        rng = f"{fmt(min(a))}-{fmt(max(a))}; {fmt(min(b))}-{fmt(max(b))}"
+        return (f"{name:<14} {fmt(statistics.median(a)):>12} {fmt(statistics.median(b)):>12}  {rng:<36} "
+                f"{shown(*verdict(a, b))}")
+    n = len(runs["default"])
+    out = [f"{'median of ' + str(n):<14} {'default':>12} {'learned':>12}  {'rounds (default; learned)':<36} verdict"]
+    for t in runs["default"][0][0]:
+        out.append(line(f"{t} req/s", [rows.get(t, (0.0,))[0] for rows, _ in runs["default"]],
+                        [rows.get(t, (0.0,))[0] for rows, _ in runs["learned"]], lambda v: f"{v:,.0f}"))
+    out.append(line("resident MiB", [r / 1024 for _, r in runs["default"]],
+                    [r / 1024 for _, r in runs["learned"]], lambda v: f"{v:.0f}"))
+    chance = 2 / math.comb(2 * n, n) if n == len(runs["learned"]) else None
+    out.append("verdict: higher or lower only where every learned round lies beyond every default round"
+               + (f" (two runs of one policy separate so by chance {chance:.0%} of the time)" if chance else "")
+               + "; otherwise no difference beyond noise.")
+    return out
+
+
 def say(msg=""):
     print(msg, flush=True)
 
@@ -73,7 +118,7 @@ def rss_kib(pid):
 
 
 class Demo:
-    def __init__(self, build, seconds, keep, rounds=2):
+    def __init__(self, build, seconds, keep, rounds=3):
         self.lib = (build / "libhakmem.so").resolve()
         if not self.lib.exists():
             raise DemoError(f"{self.lib} missing: run `make lib`")
@@ -294,8 +339,8 @@ class Demo:
                                    "ORDER BY version"):
                 say("  " + "|".join("" if c is None else str(c) for c in row))
             best = con.execute("SELECT p.origin FROM programs g JOIN policies p ON p.id = g.best_policy").fetchone()
-            # With the default as its best, learnd --no-explore writes redis no
-            # policy: there is nothing to wait for in the learned runs.
+            # With the default as its best there is nothing learned to run:
+            # the comparison below would set the default against itself.
             best_is_default = best is not None and best[0] == "default"
         finally:
             con.close()
@@ -308,6 +353,14 @@ class Demo:
         keep += [ln for ln in text.splitlines() if ln.startswith("hakmem_process_counter_rate")
                  and re.search(r'counter="(allocs|frees|refills|drains|slabs_from_os)"', ln)]
         say("\n".join(re.sub(r'key="[^"]*",?', "", ln).replace("{}", "") for ln in keep))
+
+        if best_is_default:
+            header("redis under redis-benchmark: what learnd changed")
+            say("Nothing: learnd's best stored policy for redis-server is the default (see `policy show`")
+            say("above), so a learned run would run the default again. A comparison of a policy with itself")
+            say("shows only the machine's noise, so none is made. On this workload the knobs learnd tunes")
+            say("leave no room it could measure beyond noise in the time given.")
+            return
 
         header("redis under redis-benchmark: the default policy vs the learned one")
         say("learnd restarted with --no-explore: a new redis-server gets the best stored policy at once.")
@@ -326,9 +379,7 @@ class Demo:
             for which in (("default", "learned") if rnd % 2 else ("learned", "default")):
                 sock = self.start_redis(nolearnd if which == "default" else None)
                 note = ""
-                if which == "learned" and best_is_default:
-                    note = " (learnd's best is the default: nothing to apply)"
-                elif which == "learned":
+                if which == "learned":
                     applied = self.wait_applied()
                     note = f" (policy snapshot v{applied} applied)" if applied else " (NO policy applied)"
                 rows, rss = self.benchmark(sock, n)
@@ -338,23 +389,9 @@ class Demo:
                     f"resident {rss / 1024:.0f} MiB{note}")
         self.stop_learnd()
 
-        def mid(which, test):
-            return statistics.median(rows.get(test, (0.0, 0))[0] for rows, _ in runs[which])
-
-        def spread(which, test):
-            v = [rows.get(test, (0.0, 0))[0] for rows, _ in runs[which]]
-            m = statistics.median(v)
-            return (max(v) - min(v)) / m if m else 0.0
         say()
-        say(f"{'median of ' + str(self.rounds):<12} {'default req/s':>14} {'learned req/s':>14} {'change':>8}  "
-            f"{'spread (default, learned)':>26}")
-        for t in runs["default"][0][0]:
-            r0, r1 = mid("default", t), mid("learned", t)
-            say(f"{t:<12} {r0:>14,.0f} {r1:>14,.0f} {(r1 / r0 - 1) * 100 if r0 else 0:>+7.1f}%  "
-                f"{spread('default', t) * 100:>12.0f}%, {spread('learned', t) * 100:.0f}%")
-        m0 = statistics.median(r for _, r in runs["default"])
-        m1 = statistics.median(r for _, r in runs["learned"])
-        say(f"{'resident':<12} {m0 / 1024:>10.0f} MiB {m1 / 1024:>10.0f} MiB {(m1 / m0 - 1) * 100 if m0 else 0:>+7.1f}%")
+        for line in comparison(runs):
+            say(line)
 
     def wait_applied(self, timeout=60):
         """The snapshot version redis applied, once learnd has found it and
@@ -383,7 +420,7 @@ def main(argv=None):
     ap.add_argument("--build", default="build", help="the build directory holding libhakmem.so (default build)")
     ap.add_argument("--seconds", type=int, default=60, help="how long learnd tunes redis (default 60)")
     ap.add_argument("--keep", action="store_true", help="keep the demo's directory (database, logs)")
-    ap.add_argument("--rounds", type=int, default=2, help="default/learned rounds compared at the end (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="default/learned rounds compared at the end (default 3)")
     args = ap.parse_args(argv)
     if args.seconds < 5:
         ap.error("--seconds must be at least 5")

@@ -58,6 +58,9 @@ def verdict(default, learned):
     so noise is never printed as a gain."""
     if not default or not learned:
         return "not measured", None
+    if min(len(default), len(learned)) < 3:
+        # 2 rounds a side separate by chance 1 time in 3, 1 round always.
+        return "too few rounds to tell (3 a side at least)", None
     m0, m1 = statistics.median(default), statistics.median(learned)
     change = (m1 / m0 - 1) if m0 else None
     if min(learned) > max(default):

@@ -11,7 +11,7 @@ spec.loader.exec_module(demo)
 
 def test_overlapping_rounds_are_no_difference_and_show_no_change():
     # The shape of the run issue 39 quotes: medians 30% apart, rounds spread 88%.
-    word, change = demo.verdict([100_000, 190_000], [131_000, 150_000])
+    word, change = demo.verdict([100_000, 190_000, 140_000], [131_000, 150_000, 145_000])
     assert word == "no difference beyond noise"
     assert change is None
 
@@ -27,6 +27,12 @@ def test_separated_rounds_are_a_difference_with_its_size():
 
 def test_one_shared_value_is_not_a_separation():
     assert demo.verdict([100, 105, 110], [110, 120, 130])[0] == "no difference beyond noise"
+
+
+def test_fewer_than_three_rounds_a_side_claim_nothing():
+    # Separated, but 1 round a side always separates and 2 do 1 time in 3.
+    assert demo.verdict([100], [200]) == ("too few rounds to tell (3 a side at least)", None)
+    assert demo.verdict([100, 101], [200, 201])[1] is None
 
 
 def test_empty_rounds_say_so():

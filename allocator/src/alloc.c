@@ -204,6 +204,7 @@ static void maybe_gc(hk_tcache_t* tc) {
     }
     tc->gc_allocs[cls] = allocs;
   }
+  _hk_background_maybe_start(now);   /* last: this thread's cache is consistent */
 }
 
 /* ---- capture traps (trace.h) -----------------------------------------------------

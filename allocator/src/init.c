@@ -55,6 +55,7 @@ static void fork_child(void) {
   _hk_policy_reinit_lock();
   _hk_tel_after_fork_child();
   _hk_trace_after_fork_child();
+  _hk_background_after_fork_child();
 }
 
 /* ---- start and exit --------------------------------------------------------- */
@@ -65,6 +66,7 @@ void _hk_init(void) {
     _hk_stats_clock_start();
     _hk_options_init();
     _hk_thread_init();
+    _hk_background_born();
     __atomic_store_n(&_hk_initialized, 1, __ATOMIC_RELEASE);
     /* A capture from start sees what other libraries' constructors
      * allocate before ours runs, when the environment is there to say so. */

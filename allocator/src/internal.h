@@ -274,6 +274,13 @@ bool _hk_tel_exit_unmapped(void);
 void _hk_tel_after_fork_child(void);
 /* The stats table's line: "telemetry: on, PATH" or "telemetry: off: why". */
 size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures);
+
+/* ---- the background thread (background.c) --------------------------------------- */
+bool _hk_background_allowed(void);          /* HAKMEM_BACKGROUND (options.c) */
+void _hk_background_born(void);             /* at initialization */
+void _hk_background_maybe_start(uint64_t now_ns);
+void _hk_background_after_fork_child(void);
+size_t _hk_background_describe(char* buf, size_t cap);
 /* init.c: start-up, fork, exit */
 void        _hk_init(void);
 /* classes.c: size-class tables */

@@ -56,7 +56,7 @@ typedef struct hk_option_s {
 
 #define HK_X_OPT(name, NAME, bounds, env, unit, min, max, def, desc) OPT_##NAME,
 enum { HK_CLASS_KNOBS(HK_X_OPT) HK_PROC_KNOBS(HK_X_OPT)
-       OPT_STATS, OPT_CHECK, OPT_TELEMETRY, OPT_TELEMETRY_MS, OPT_COUNT };
+       OPT_STATS, OPT_CHECK, OPT_TELEMETRY, OPT_TELEMETRY_MS, OPT_BACKGROUND, OPT_COUNT };
 #undef HK_X_OPT
 
 static hk_option_t options[OPT_COUNT] = {
@@ -69,6 +69,7 @@ static hk_option_t options[OPT_COUNT] = {
   [OPT_CHECK]        = {"HAKMEM_CHECK",         0, 0, 1,       "bool",   "stricter checks: no thread cache, exact double-free detection, freed-block canaries"},
   [OPT_TELEMETRY]    = {"HAKMEM_TELEMETRY",     1, 0, 1,       "bool",   "publish counters to HAKMEM_SHM_DIR while a reader holds its lease"},
   [OPT_TELEMETRY_MS] = {"HAKMEM_TELEMETRY_MS", 100, 10, 60000, "ms",     "minimum interval between telemetry records"},
+  [OPT_BACKGROUND]   = {"HAKMEM_BACKGROUND",    1, 0, 1,       "bool",   "a thread gives idle memory back every drain interval while the program makes no call"},
 };
 
 /* A setuid, setgid or capability-raised program (AT_SECURE) runs with its
@@ -133,6 +134,7 @@ static void options_read(void) {
 bool _hk_stats_at_exit(void) { return opt_stats; }
 bool _hk_tel_enabled(void) { return options[OPT_TELEMETRY].value != 0; }
 uint32_t _hk_tel_epoch_ms(void) { return (uint32_t)options[OPT_TELEMETRY_MS].value; }
+bool _hk_background_allowed(void) { return options[OPT_BACKGROUND].value != 0; }
 
 /* ---- per-class bounds and defaults ----------------------------------------
  * Each knob's rules are knobs.h's, for the class's block and slab size

@@ -10,6 +10,7 @@
 #include <link.h>
 #include <sched.h>
 #include <signal.h>
+#include <string.h>
 #include <sys/auxv.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -418,4 +419,56 @@ size_t _hk_os_read_small(const char* path, char* buf, size_t cap) {
   while (r < 0 && errno == EINTR);
   close(f);
   return r > 0 ? (size_t)r : 0;
+}
+
+/* ---- the background thread (background.c) ------------------------------------ */
+#include <pthread.h>
+#include <sys/prctl.h>
+
+void _hk_os_sleep_ms(uint32_t ms) {
+  struct timespec ts = {(time_t)(ms / 1000u), (long)(ms % 1000u) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
+/* "Seccomp: 2" in /proc/self/status: a filter whose rules we cannot read
+ * decides whether a new thread's clone is allowed or kills the process. */
+bool _hk_os_seccomp_filtered(void) {
+  char buf[4096];
+  size_t n = _hk_os_read_small("/proc/self/status", buf, sizeof buf - 1);
+  buf[n] = 0;
+  for (size_t i = 0; i + 9 < n; i++)
+    if ((i == 0 || buf[i - 1] == '\n') && memcmp(buf + i, "Seccomp:", 8) == 0) {
+      const char* p = buf + i + 8;
+      while (*p == ' ' || *p == '\t') p++;
+      return *p != '0';
+    }
+  return false;   /* a kernel without the line has no seccomp */
+}
+
+static void* (*daemon_fn)(void*);
+static const char* daemon_name;
+
+static void* daemon_start(void* arg) {
+  prctl(PR_SET_NAME, (unsigned long)daemon_name, 0, 0, 0);
+  return daemon_fn(arg);
+}
+
+int _hk_os_start_daemon_thread(void* (*fn)(void*), const char* name) {
+  pthread_attr_t attr;
+  int err = pthread_attr_init(&attr);
+  if (err) return err;
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  pthread_attr_setstacksize(&attr, 64u << 10);
+  /* Every signal blocked, so none meant for the program's own threads (a
+   * sigwait loop, a handler that expects its threads) is delivered here. */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  daemon_fn = fn;
+  daemon_name = name;
+  pthread_t t;
+  err = pthread_create(&t, &attr, daemon_start, NULL);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  pthread_attr_destroy(&attr);
+  return err;
 }

@@ -124,5 +124,11 @@ int _hk_os_append(int fd, const void* buf, size_t len, uint64_t off);
 uint64_t _hk_os_fsize_limit(void);
 /* Up to cap bytes of a small file (/proc/self/cmdline); 0 if unreadable. */
 size_t _hk_os_read_small(const char* path, char* buf, size_t cap);
+/* The background thread (background.c): a sleep that resumes after
+ * signals; whether a seccomp filter governs the process; a detached thread
+ * with a small stack, every signal blocked and a name; 0 or an errno. */
+void _hk_os_sleep_ms(uint32_t ms);
+bool _hk_os_seccomp_filtered(void);
+int _hk_os_start_daemon_thread(void* (*fn)(void*), const char* name);
 
 #endif /* HK_PRIM_H */

@@ -97,6 +97,7 @@ void _hk_stats_print_snapshot(int fd, const hk_stats_t* st) {
       st->huge_allocs, st->huge_cache_hits, st->cls[0].live_bytes);
   n += _hk_tel_describe(b + n, sizeof b - n, st->tel_failures);
   n += _hk_trace_describe(b + n, sizeof b - n);
+  n += _hk_background_describe(b + n, sizeof b - n);
   _hk_os_write(fd, b, n);
   static const char* const names[] = {"class", "size", "allocs", "frees", "refills",
       "refill_blk", "drains", "drain_blk", "remote", "slab<warm", "slab<os", "slab>warm",

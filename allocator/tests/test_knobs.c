@@ -469,32 +469,8 @@ TEST(out_of_bounds_policies_are_rejected_whole) {
 /* Runs this binary again with extra environment; returns exit status and
  * stderr in err. */
 static int rerun(const char* mode, const char* env1, const char* env2, char* err, size_t cap) {
-  int fds[2];
-  /* The real path, not /proc/self/exe itself: under valgrind exec'ing that
-   * would start the tool, not this test. */
-  static char self[4096];
-  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (len <= 0) return -1;
-  self[len] = 0;
-  if (pipe(fds) != 0) return -1;
-  pid_t pid = fork();
-  if (pid == 0) {
-    dup2(fds[1], 2);
-    close(fds[0]);
-    char* argv[] = {self, (char*)mode, NULL};
-    char* envp[] = {(char*)env1, (char*)env2, NULL};
-    execve(self, argv, envp);
-    _exit(127);
-  }
-  close(fds[1]);
-  size_t got = 0;
-  ssize_t n;
-  while (got + 1 < cap && (n = read(fds[0], err + got, cap - 1 - got)) > 0) got += (size_t)n;
-  err[got] = 0;
-  close(fds[0]);
-  int status;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  char* envp[] = {(char*)env1, (char*)env2, NULL};
+  return rerun_self(mode, envp, err, cap);
 }
 
 /* Child mode: prints the caps of two classes and the drain interval. */

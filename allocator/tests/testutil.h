@@ -7,6 +7,9 @@
  *   under_valgrind()  whether valgrind's preload is in LD_PRELOAD
  *   minor_faults()    this process's minor page faults so far
  *   check_byte(p,n,v) the offset of the first byte of p[0..n) that is not v, or -1
+ *   rerun_self(mode, envp, out, cap)  this test program again as `PROG MODE`
+ *                     with only envp's variables; its stderr in out; its
+ *                     exit status (128 + the signal that ended it)
  *   FAILF(fmt, ...)   C only: counts a failure in g_errors and reports the
  *                     first 20 through harness_say (include harness.h first)
  *
@@ -23,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <time.h>
 
 static inline uint64_t mix64(uint64_t x) {
@@ -106,5 +110,33 @@ static atomic_long g_errors __attribute__((unused));
     if (atomic_fetch_add(&g_errors, 1) < 20) harness_say(__VA_ARGS__);        \
   } while (0)
 #endif
+
+/* The real path, not /proc/self/exe itself: under valgrind exec'ing that
+ * would start the tool, not this test. */
+static inline int rerun_self(const char* mode, char* const envp[], char* out, size_t cap) {
+  static char self[4096];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len <= 0) return -1;
+  self[len] = 0;
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    char* argv[] = {self, (char*)mode, NULL};
+    execve(self, argv, envp);
+    _exit(127);
+  }
+  close(fds[1]);
+  size_t got = 0;
+  ssize_t n;
+  while (got + 1 < cap && (n = read(fds[0], out + got, cap - 1 - got)) > 0) got += (size_t)n;
+  out[got] = 0;
+  close(fds[0]);
+  int status;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
 
 #endif /* HK_TESTUTIL_H */

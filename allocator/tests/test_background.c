@@ -1,0 +1,218 @@
+/* test_background.c — memory goes back while the program makes no call
+ * (background.c), and the thread that does it stays out of the program's way.
+ *
+ * Each case runs in a fresh copy of this program (re-exec'd with its own
+ * environment), since the thread starts at most once per process and only
+ * after the process has run for a second. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "hakmem.h"
+#include "harness.h"
+#include "testutil.h"
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
+static uint64_t committed(void) {
+  hk_stats_t s;
+  hk_stats_get(&s);
+  return s.committed_bytes;
+}
+
+/* 64 MiB of 1000-byte blocks, written, then freed but for one in 1024 (so
+ * no segment empties whole: an empty one goes back at once, whatever the
+ * thread does). The process is over a second old by then, and the slow
+ * paths of the allocation pass the drain gate: the thread may start. */
+enum { N = 64 * 1024, PIN_EVERY = 1024 };
+static void* blk[N];
+
+static void peak_then_free(void) {
+  void* early = malloc(64);   /* this thread's cache exists from here */
+  free(early);
+  sleep_ms(1100);
+  for (int i = 0; i < N; i++) {
+    blk[i] = malloc(1000);
+    memset(blk[i], 1, 1000);
+  }
+  for (int i = 0; i < N; i++)
+    if (i % PIN_EVERY) free(blk[i]);
+  hk_thread_flush();
+}
+
+/* Child: the peak, then idle for 6 drain intervals (HAKMEM_DRAIN_MS=100):
+ * prints what is committed just after the frees and after the idle time. */
+static int child_idle(void) {
+  uint64_t base = committed();
+  peak_then_free();
+  uint64_t after_free = committed() - base;
+  sleep_ms(600);
+  uint64_t now = committed();
+  uint64_t after_idle = now > base ? now - base : 0;   /* a forked child's base holds its parent's pages */
+  harness_say("after free %llu KiB after idle %llu KiB\n", (unsigned long long)after_free >> 10,
+              (unsigned long long)after_idle >> 10);
+  return 0;
+}
+
+static volatile pid_t handled_on;
+static void on_usr1(int sig) {
+  (void)sig;
+  handled_on = (pid_t)syscall(SYS_gettid);
+}
+
+/* The thread's tid, found by its name; 0 if there is none. */
+static pid_t decay_tid(void) {
+  DIR* d = opendir("/proc/self/task");
+  if (!d) return 0;
+  pid_t found = 0;
+  struct dirent* e;
+  while ((e = readdir(d)) != NULL) {
+    char path[300], comm[32] = {0};
+    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+    FILE* f = fopen(path, "r");
+    if (!f) continue;
+    if (fgets(comm, sizeof comm, f) && strncmp(comm, "hakmem-decay", 12) == 0) found = atoi(e->d_name);
+    fclose(f);
+  }
+  closedir(d);
+  return found;
+}
+
+/* Child: every signal is blocked in the thread, and a signal sent to the
+ * process runs its handler on the program's thread. */
+static int child_signals(void) {
+  peak_then_free();
+  sleep_ms(300);
+  pid_t tid = decay_tid();
+  if (!tid) {
+    harness_say("no hakmem-decay thread\n");
+    return 1;
+  }
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/self/task/%d/status", (int)tid);
+  FILE* f = fopen(path, "r");
+  unsigned long long blk = 0;
+  while (f && fgets(line, sizeof line, f))
+    if (strncmp(line, "SigBlk:", 7) == 0) blk = strtoull(line + 7, NULL, 16);
+  if (f) fclose(f);
+  signal(SIGUSR1, on_usr1);
+  for (int i = 0; i < 50; i++) {
+    handled_on = 0;
+    kill(getpid(), SIGUSR1);
+    for (int w = 0; w < 1000 && !handled_on; w++) sleep_ms(1);
+    if (handled_on != getpid()) {
+      harness_say("SIGUSR1 ran on thread %d\n", (int)handled_on);
+      return 1;
+    }
+  }
+  /* Signals 1-31 but SIGKILL and SIGSTOP, which no mask holds. */
+  unsigned long long want = 0x7fffffffull & ~((1ull << (SIGKILL - 1)) | (1ull << (SIGSTOP - 1)));
+  harness_say("sigblk %llx\n", blk);
+  return (blk & want) == want ? 0 : 1;
+}
+
+/* Child: a seccomp filter (one that allows everything: the allocator
+ * cannot read a filter's rules, so any filter counts) keeps the thread off. */
+static int child_seccomp(void) {
+  struct sock_filter allow[] = {BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW)};
+  struct sock_fprog prog = {1, allow};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+    harness_say("cannot install a seccomp filter: %s\n", strerror(errno));
+    return 2;
+  }
+  return child_idle();
+}
+
+/* Child: the thread started in this process; a forked child has none, and
+ * starts its own once it is a second old. */
+static int child_fork(void) {
+  peak_then_free();
+  sleep_ms(300);
+  if (!decay_tid()) return 1;
+  for (int i = 0; i < N; i += PIN_EVERY) free(blk[i]);
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (decay_tid()) _exit(3);   /* fork copies only the calling thread */
+    child_idle();
+    _exit(decay_tid() ? 0 : 4);
+  }
+  int st;
+  waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 100;
+}
+
+static int rerun(const char* mode, const char* env1, char* out, size_t cap) {
+  char* envp[] = {"HAKMEM_DRAIN_MS=100", "HAKMEM_STATS=1", (char*)env1, NULL};
+  return rerun_self(mode, envp, out, cap);
+}
+
+static unsigned long long kib_after(const char* out, const char* what) {
+  const char* p = strstr(out, what);
+  return p ? strtoull(p + strlen(what), NULL, 10) : ~0ull;
+}
+
+TEST(an_idle_process_gives_its_freed_pages_back) {
+  static char out[16384];
+  CHECK_EQ(rerun("idle", NULL, out, sizeof out), 0);
+  unsigned long long freed = kib_after(out, "after free "), idle = kib_after(out, "after idle ");
+  harness_say("  background on: %llu KiB kept after the frees, %llu KiB after 6 idle intervals\n", freed, idle);
+  CHECK(freed >= 32 * 1024);          /* the dirty pages were kept at first */
+  CHECK(idle <= 8 * 1024);            /* and went back while the program slept (the pins: 64 KiB) */
+  CHECK(strstr(out, "background: idle memory goes back every drain interval") != NULL);
+
+  CHECK_EQ(rerun("idle", "HAKMEM_BACKGROUND=0", out, sizeof out), 0);
+  idle = kib_after(out, "after idle ");
+  harness_say("  HAKMEM_BACKGROUND=0: %llu KiB after 6 idle intervals\n", idle);
+  CHECK(idle >= 32 * 1024);           /* without the thread nothing runs the decay pass */
+  CHECK(strstr(out, "background: off: HAKMEM_BACKGROUND=0") != NULL);
+}
+
+TEST(the_thread_blocks_every_signal) {
+  static char out[16384];
+  int rc = rerun("signals", NULL, out, sizeof out);
+  if (rc) harness_say("%s", out);
+  CHECK_EQ(rc, 0);
+}
+
+TEST(a_seccomp_filter_keeps_the_thread_off) {
+  static char out[16384];
+  int rc = rerun("seccomp", NULL, out, sizeof out);
+  if (rc == 2) SKIP("this kernel refuses seccomp filters: %.200s", out);
+  CHECK_EQ(rc, 0);
+  CHECK(strstr(out, "background: off: a seccomp filter governs the process") != NULL);
+  CHECK(kib_after(out, "after idle ") >= 32 * 1024);
+}
+
+TEST(a_forked_child_starts_its_own_thread) {
+  static char out[16384];
+  int rc = rerun("fork", NULL, out, sizeof out);
+  if (rc) harness_say("%s", out);
+  CHECK_EQ(rc, 0);
+  CHECK(kib_after(out, "after idle ") <= 8 * 1024);
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1) {
+    if (!strcmp(argv[1], "idle")) return child_idle();
+    if (!strcmp(argv[1], "signals")) return child_signals();
+    if (!strcmp(argv[1], "seccomp")) return child_seccomp();
+    if (!strcmp(argv[1], "fork")) return child_fork();
+    return 99;
+  }
+  RUN(an_idle_process_gives_its_freed_pages_back);
+  RUN(the_thread_blocks_every_signal);
+  RUN(a_seccomp_filter_keeps_the_thread_off);
+  RUN(a_forked_child_starts_its_own_thread);
+  return harness_done();
+}

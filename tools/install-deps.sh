@@ -9,6 +9,8 @@
 #                  learner/tests/test_postgres.py
 #     redis        redis-server and redis-benchmark (redis-tools), for
 #                  learner/tests/test_redis.py and `make demo`
+#     learn-real   jq, for bench/learn_real.py (its other programs are in base,
+#                  postgresql and redis)
 #     ops          systemd (systemd-analyze, systemd-tmpfiles), for
 #                  learner/tests/test_make_install.py (deploy/'s unit)
 set -euo pipefail
@@ -27,7 +29,8 @@ for group in "$@"; do
     postgresql) pkgs+=(postgresql) ;;
     redis) pkgs+=(redis-server redis-tools) ;;
     ops) pkgs+=(systemd) ;;
-    *) echo "install-deps: unknown group '$group' (groups: base, postgresql, redis, ops)" >&2; exit 2 ;;
+    learn-real) pkgs+=(jq) ;;
+    *) echo "install-deps: unknown group '$group' (groups: base, postgresql, redis, ops, learn-real)" >&2; exit 2 ;;
   esac
 done
 

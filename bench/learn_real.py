@@ -68,7 +68,6 @@ import json
 import os
 import pwd
 import random
-import re
 import shutil
 import signal
 import socket
@@ -82,6 +81,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "learner"))
+sys.path.insert(0, str(ROOT / "tools"))
+from hakmem.procfs import proc_descendants  # noqa: E402  one reader of /proc for learnd and the tools
+from tune_pg import pss_kib  # noqa: E402  the same PSS reading as tools/tune_pg.py and bench/services.py
 BUILD = ROOT / os.environ.get("BUILD", "build")
 LIB = BUILD / "libhakmem.so"
 VENV_BIN = ROOT / ".venv" / "bin" if (ROOT / ".venv" / "bin").is_dir() else Path(sys.executable).parent
@@ -126,30 +128,6 @@ def clean_env(**extra) -> dict:
     return e
 
 
-def pss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            m = re.search(rb"^Pss:\s+(\d+) kB", f.read(), re.M)
-        return int(m.group(1)) if m else 0
-    except OSError:
-        return 0
-
-
-def tree(pid: int) -> list[int]:
-    """pid and its live descendants, through /proc/PID/task/TID/children."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return out
-
-
 def digest(data) -> str:
     if isinstance(data, str):
         data = data.encode()
@@ -190,7 +168,7 @@ class Ctx:
         while not self.stop_sampling.is_set():
             with self.lock:
                 roots = [p.pid for p in self.procs if p.returncode is None]
-            kib = sum(pss_kib(q) for r in roots for q in tree(r))
+            kib = sum(pss_kib(q) for r in roots for q in proc_descendants(r))
             for r in roots:
                 # ld.so skips a preload it cannot open with a warning nobody
                 # reads, and the run would measure glibc under hakmem's name.

@@ -46,6 +46,22 @@ def proc_children(pid: int) -> list[int]:
     return out
 
 
+def proc_descendants(pid: int) -> list[int]:
+    """pid and its live descendants, through /proc/PID/task/TID/children
+    (a process tree's own links: no walk of all of /proc per call)."""
+    out, pending = [], [pid]
+    while pending:
+        p = pending.pop()
+        out.append(p)
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    pending.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
 def proc_start_time(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None when the
     process is gone: with the pid, what names one process for its whole life."""

@@ -128,3 +128,27 @@ def test_a_file_without_a_build_id(tmp_path):
     f = tmp_path / "not-elf"
     f.write_bytes(b"#!/bin/sh\necho hi\n")
     assert elf_build_id(str(f)) is None
+
+
+def test_descendants_follow_the_tree_and_only_it():
+    import subprocess
+    import time
+    from hakmem.procfs import proc_descendants
+    import os
+    import signal
+    p = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        for _ in range(200):
+            d = proc_descendants(p.pid)
+            if len(d) == 3:
+                break
+            time.sleep(0.01)
+        assert d[0] == p.pid and len(d) == 3, d
+        assert other.pid not in d
+        assert proc_descendants(2 ** 22 + 1) == [2 ** 22 + 1]   # a pid that is not there: itself, nothing under it
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)    # the shell and its two sleeps
+        other.kill()
+        for q in (p, other):
+            q.wait()

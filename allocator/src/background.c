@@ -8,7 +8,8 @@
  * long as it slept (glibc: all 200). The users of jemalloc ask for this
  * most of all (its decay, too, runs only on allocation activity unless its
  * background threads are enabled). One thread per process sleeps a drain
- * interval and runs the same pass; with allocating threads about, the pass
+ * interval (BG_TICK_MS at most), looks at the telemetry file and runs the
+ * same pass; with allocating threads about, the pass
  * is theirs and this one finds it done (_hk_warm_decay runs once per
  * interval whoever calls it).
  *
@@ -42,20 +43,25 @@ static int start_err;
 /* The coarse clock moves in jiffies: a pass due after exactly one interval
  * could look a tick early and wait a whole interval more. */
 #define BG_SLACK_MS 10u
+/* The longest sleep: learnd's window. The thread also looks at the
+ * telemetry file (a record, a policy snapshot, a capture's time bound),
+ * which otherwise only an allocating thread's slow path does: a policy
+ * learnd wrote while the program idled waited for its next burst, so
+ * learnd could neither measure a policy while the program idles (the time
+ * a memory policy is for) nor switch one in an A/B trial, and a capture
+ * asked for 6 s ran until the next allocation. */
+#define BG_TICK_MS 1000u
 
 static void* bg_main(void* arg) {
   (void)arg;
   for (;;) {
     uint32_t ms = _hk_drain_ms();
-    if (ms == 0) {              /* "never": look again later, the policy may change */
-      _hk_os_sleep_ms(1000);
-      continue;
-    }
-    _hk_os_sleep_ms(ms + BG_SLACK_MS);
+    _hk_os_sleep_ms((ms == 0 || ms > BG_TICK_MS ? BG_TICK_MS : ms) + BG_SLACK_MS);
+    uint64_t now = _hk_os_now_coarse_ns();
+    if (_hk_tel_on) _hk_tel_tick(now);    /* first: a new policy's drain counts for this pass */
     ms = _hk_drain_ms();        /* the interval in force now, not when the sleep began */
-    if (ms == 0) continue;
-    _hk_warm_decay(_hk_os_now_coarse_ns(), (uint64_t)ms * 1000000u);
-    hk_add_relaxed(&passes, 1);
+    if (ms == 0) continue;      /* "never" */
+    if (_hk_warm_decay(now, (uint64_t)ms * 1000000u)) hk_add_relaxed(&passes, 1);
   }
   return NULL;
 }

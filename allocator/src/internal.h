@@ -221,7 +221,7 @@ void  _hk_inbox_sweep_free_records(void);            /* thread.c: every such rec
 void* _hk_alloc_direct(unsigned cls);                  /* no thread cache */
 void  _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls);
 bool  _hk_trim_warm(void);
-void  _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns);
+bool  _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns);   /* whether this call ran the pass */
 void  _hk_central_lock_all(void);
 void  _hk_central_unlock_all(void);
 void  _hk_central_reinit_locks(void);

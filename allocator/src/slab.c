@@ -772,12 +772,12 @@ void _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
  * default's deeper caches and 9 s of a trial than from the start, to the
  * run's end (134.5 MiB against 129.9 side by side). Run by whichever
  * thread's slow path notices the interval. */
-void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
+bool _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
   static _Atomic uint64_t last_ns;
   uint64_t last = hk_load_relaxed(&last_ns);
-  if (now_ns - last < interval_ns) return;
+  if (now_ns - last < interval_ns) return false;
   if (!atomic_compare_exchange_strong_explicit(&last_ns, &last, now_ns,
-        memory_order_relaxed, memory_order_relaxed)) return;
+        memory_order_relaxed, memory_order_relaxed)) return false;
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_central_t* c = &_hk_central[cls];
     if (c->warm_count == 0) {   /* racy peek: a miss waits for the next pass */
@@ -799,6 +799,7 @@ void _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
   _hk_segment_decay();
   _hk_huge_decay();
   _hk_inbox_sweep_free_records();
+  return true;
 }
 
 bool _hk_trim_warm(void) {

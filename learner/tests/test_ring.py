@@ -255,6 +255,34 @@ def test_set_policy_cli(shm):
     p.wait(timeout=scaled(30))
 
 
+def test_an_idle_process_takes_policies_and_keeps_publishing(shm):
+    """A process that makes no call still looks at its telemetry file (the
+    allocator's background thread): a policy written while it idles is in
+    force within about a second, and a record comes about once a second.
+    Before, both waited for its next allocation: learnd could not switch a
+    policy, nor measure one, while a program idled, which is when a policy
+    that gives memory back acts."""
+    p = start(["idle", 1.5, scaled(30)], shm, HAKMEM_TELEMETRY_MS=100)
+    try:
+        path = ring_path(shm, p.pid)
+        assert json.loads(p.stdout.readline())["mode"] == "idle-start"
+        with Ring(str(path)) as ring:
+            time.sleep(0.3)        # the last slow path's tick is behind us
+            head = ring.ring_head()
+            r = run_cli("ring", "set-policy", "--dir", shm, p.pid, "drain_ms=250", "--wait", scaled(3), "--json")
+            assert r.returncode == 0, r.stderr
+            out = json.loads(r.stdout)
+            assert out["applied"] is True, out
+            assert ring.policy_in_force()["drain_ms"] == 250
+            # With the drain at 250 ms the thread wakes four times a second;
+            # records keep the 100 ms epoch at most, and come while it sleeps.
+            wait_for(lambda: ring.ring_head() >= head + 3, 3.0, "records from an idle process")
+        assert p.poll() is None, "the process is still asleep"
+    finally:
+        p.kill()
+        p.wait(timeout=scaled(30))
+
+
 # ---- the reader facing bad files ---------------------------------------------
 def one_line_error(path, expect):
     r = run_cli("ring", "dump", path)

@@ -15,6 +15,8 @@
  *                                   cache (allocate, then free them), then
  *                                   allocate and free one block in a loop:
  *                                   every call is a cache hit
+ *   workload idle BUSY SECONDS      bursts of 64 B blocks for BUSY seconds,
+ *                                   then SECONDS with no call at all
  *
  * The last line on stdout is JSON: {"mode":..., "ops":..., "seconds":...}.
  */
@@ -130,13 +132,19 @@ static uint64_t mixed(int threads, double seconds) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (argc < 2) { fprintf(stderr, "usage: workload burst|hot|mixed|fork|forks ...\n"); return 2; }
+  if (argc < 2) { fprintf(stderr, "usage: workload burst|hot|idle|mixed|fork|forks ...\n"); return 2; }
   const char* mode = argv[1];
   double t0 = now(), seconds;
   uint64_t ops;
   if (strcmp(mode, "burst") == 0 && argc == 5) {
     seconds = atof(argv[4]);
     ops = burst((size_t)atol(argv[2]), (size_t)atol(argv[3]), seconds);
+  } else if (strcmp(mode, "idle") == 0 && argc == 4) {
+    ops = burst(64, 2000, atof(argv[2]));
+    printf("{\"mode\":\"idle-start\",\"pid\":%d}\n", getpid());
+    struct timespec ts = {.tv_sec = (time_t)atof(argv[3]), .tv_nsec = 0};
+    while (nanosleep(&ts, &ts) != 0) {}
+    seconds = atof(argv[2]) + atof(argv[3]);
   } else if (strcmp(mode, "hot") == 0 && argc == 5) {
     seconds = atof(argv[4]);
     ops = hot((size_t)atol(argv[2]), (size_t)atol(argv[3]), seconds);

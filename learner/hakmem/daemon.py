@@ -752,8 +752,19 @@ class Daemon:
         elif prog.target is None:
             prog.target = prog.default
             prog.target_origin = "default"
-        if chosen is None and explore and self.cfg.screen and hasattr(prog.learner, "screened"):
+        # A program is screened once per objective: cold, and warm until a
+        # screening of it has ranked (a cold run cut short, or one whose
+        # screening failed, left a stored policy and no ranking).
+        if explore and self.cfg.screen and hasattr(prog.learner, "screened") and \
+                (chosen is None or not self._screened_before(prog)):
             self._start_screen(prog)
+
+    def _screened_before(self, prog: Program) -> bool:
+        try:
+            return prog.program_id is not None and self.store.screened(prog.program_id, prog.objective.describe())
+        except Exception as e:
+            self.log("warning", f"cannot read the screenings of {prog.exe}: {e}")
+            return True     # unknown: no second capture of the program
 
     # ---- screening (screen.py) ----------------------------------------------------
     def _start_screen(self, prog: Program):

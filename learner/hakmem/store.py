@@ -452,6 +452,12 @@ class Store:
                             (program_id,)).fetchone()
         return self.policy_by_id(r[0]) if r and r[0] else None
 
+    def screened(self, program_id, objective) -> bool:
+        """Whether learnd's screening ranked this program's policies under
+        this objective before (replay_runs it kept for the program)."""
+        return self.db.execute("SELECT 1 FROM replay_runs WHERE program_id = ? AND objective = ? LIMIT 1",
+                               (program_id, objective)).fetchone() is not None
+
     def evaluations(self, program_id, limit=100) -> list[dict]:
         return [dict(r) for r in self.db.execute(
             "SELECT * FROM evaluations WHERE program_id = ? ORDER BY t_end DESC LIMIT ?", (program_id, limit))]

@@ -162,7 +162,7 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
     s.close()
     d = Learnd(tmp_path, "--learner", "gp")
     try:
-        w = start(["burst", 64, 3000, scaled(4)], d.shm)
+        w = start(["burst", 64, 3000, scaled(12)], d.shm)
         path = ring_path(d.shm, w.pid, timeout=5)
         t0 = time.monotonic()
         with Ring(path) as r:
@@ -170,10 +170,28 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
                      r.policy_in_force()["tcache_cap"][CLS64] == 3333, 2, "the stored best applied")
         took = time.monotonic() - t0
         assert took < scaled(1.0), f"stored best applied {took:.2f} s after the telemetry file appeared"
-        finish(w)
         d.wait_log("warm_start")
+        # Stored, never screened (no ranking kept): screened now, from the
+        # stored best, as a cold program would be.
+        d.wait_log("screened workload", 20)
+        finish(w)
     finally:
         assert d.stop() == 0, d.text()
+    # Screened before: the next warm start keeps what was stored (or what
+    # the screening's trial took), measures it, and settles: no capture, no
+    # blind trial.
+    d = Learnd(tmp_path, "--learner", "gp")
+    try:
+        w = start(["burst", 64, 3000, scaled(8)], d.shm)
+        ring_path(d.shm, w.pid, timeout=5)
+        d.wait_log("warm_start")
+        d.wait_log("policy_settled workload", 15)
+        finish(w)
+    finally:
+        assert d.stop() == 0, d.text()
+    log = d.text()
+    assert "screened" not in log and "policy_applied" not in log, log
+    assert "settled: a warm start keeps the stored best" in log, log
 
 
 def test_sigkill_at_random_moments_leaves_programs_and_database_intact(tmp_path):

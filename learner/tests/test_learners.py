@@ -448,7 +448,10 @@ def test_gp_mix_stable_never_relearns():
     assert not [d for _, d in decisions if d.kind == "relearn"]
 
 
-def test_gp_warm_start_applies_the_stored_best_and_stays_near():
+def test_gp_warm_start_applies_the_stored_best_and_settles_without_a_blind_trial():
+    # The stored best is what an earlier search concluded: a warm start
+    # applies it, measures it and settles. Searching blind again put redis
+    # through five trials in a row, each rolled back at +33% to +279%.
     ctx = make_ctx()
     sim = Sim(ctx)
     opt_cost, opt_cap, opt_warm = sim.optimum()
@@ -458,10 +461,40 @@ def test_gp_warm_start_applies_the_stored_best_and_stays_near():
     lrn = GPLearner(seed=0)
     decisions, in_force, _ = drive(lrn, sim, ctx, 40, incumbent=best, history=history)
     assert decisions[0][0] == -1 and same(decisions[0][1].knobs, best)
-    caps = [k["tcache_cap"][CLS[512]] for k in in_force]
-    assert all(opt_cap / 4 <= c <= opt_cap * 4 for c in caps), caps
-    assert sim.truth(lrn.incumbent()[0])["cost"] <= 1.05 * opt_cost
+    kinds = [d.kind for _, d in decisions[1:]]
+    assert kinds == ["settle"], decisions
+    assert "warm start" in decisions[1][1].reason and decisions[1][0] < 6
+    assert all(same(k, best) for k in in_force)
+    assert lrn.state() == "settled" and same(lrn.incumbent()[0], best)
     assert lrn.incumbent()[1] is not None
+    assert sim.truth(lrn.incumbent()[0])["cost"] <= 1.05 * opt_cost
+
+
+def test_gp_warm_start_of_a_stored_default_settles_too():
+    # learnd kept the default (nothing beat it): restarted, it keeps it.
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    history = [Prior(ctx.default, sim.truth(ctx.default)["cost"], 0.002, 30)]
+    decisions, in_force, _ = drive(GPLearner(seed=0), sim, ctx, 40, history=history)
+    assert [d.kind for _, d in decisions] == ["settle"], decisions
+    assert all(same(k, ctx.default) for k in in_force)
+
+
+def test_gp_warm_start_settled_searches_again_when_the_mix_moves():
+    ctx = make_ctx()
+    sim = Sim(ctx, hot=64, allocs=2e6)
+    history = [Prior(ctx.default, sim.truth(ctx.default)["cost"], 0.002, 30)]
+
+    def phase(i):
+        if i == 20:
+            sim.hot, sim.mu = 4096, 40.0
+    lrn = GPLearner(seed=0)
+    decisions, _, _ = drive(lrn, sim, ctx, 34, history=history, before_window=phase)
+    kinds = [(i, d.kind) for i, d in decisions]
+    assert kinds[0][1] == "settle" and kinds[0][0] < 6, kinds
+    relearn = [i for i, k in kinds if k == "relearn"]
+    assert len(relearn) == 1 and 20 <= relearn[0] <= 25, kinds
+    assert any(i > relearn[0] and k == "explore" for i, k in kinds), kinds
 
 
 def test_gp_explore_false_only_measures():

@@ -80,6 +80,39 @@ def test_gp_waits_for_the_screen_then_confirms_its_best_online_and_settles():
     assert same(lrn.incumbent()[0], best.knobs)
 
 
+def test_gp_warm_start_confirms_a_new_screening_and_settles_without_one():
+    # learnd screens a warm program that was never screened (its cold run was
+    # cut short): the ranking is tried from the stored best. A screening that
+    # fails leaves the warm start settled, not searching blind.
+    from hakmem.learning import Prior
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    pols = [(lb, ctx.clamp(k)) for lb, k in policies(ctx, [CLS[512]]) + [("hot deep", with_hot(ctx.default, 512, 4096))]]
+    history = [Prior(ctx.default, sim.truth(ctx.default)["cost"], 0.002, 30)]
+    lrn = GPLearner(seed=0, tie_margin=0.03)
+
+    def before(i):
+        if i == 0:
+            lrn.screening()
+        if i == 8:
+            lrn.screened(ranked(sim, pols))
+    decisions, _, _ = drive(lrn, sim, ctx, 40, history=history, before_window=before)
+    kinds = [d.kind for _, d in decisions if d.kind != "ab"]
+    assert kinds[:2] == ["explore", "accept"] and "screened" in decisions[0][1].reason, decisions
+    assert lrn.state() == "settled" and not same(lrn.incumbent()[0], ctx.default)
+
+    lrn = GPLearner(seed=0)
+
+    def fails(i):
+        if i == 0:
+            lrn.screening()
+        if i == 5:
+            lrn.screened([], "process 1 ended during the capture")
+    decisions, in_force, _ = drive(lrn, sim, ctx, 40, history=history, before_window=fails)
+    assert [d.kind for _, d in decisions] == ["settle"], decisions
+    assert all(same(k, ctx.default) for k in in_force)
+
+
 def test_gp_tries_the_next_screened_candidate_when_the_best_fails_online():
     ctx = make_ctx()
     sim = Sim(ctx)

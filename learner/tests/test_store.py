@@ -464,3 +464,21 @@ def test_a_migration_adding_a_counter_column_is_stored_and_retained(tmp_path, mo
         assert [r[0] for r in s.db.execute("SELECT probe FROM windows ORDER BY t_end")] == [0, 1, 2, 3]
         s.retain(now=day)
         assert [tuple(r) for r in s.db.execute("SELECT merged, probe FROM windows")] == [(4, 1.5)]
+
+
+def test_screened_says_whether_a_screening_ranked_the_program_under_the_objective(tmp_path):
+    # learnd screens a warm program that has a stored policy and no ranking
+    # (its cold run was cut short, or its screening failed) and never one
+    # it screened before (daemon.py _screened_before).
+    s = Store(tmp_path / "learn.db")
+    a = s.program(EXE, BUILD, "0", SIZES)
+    b = s.program("/usr/bin/perl", BUILD, "0", SIZES)
+    assert not s.screened(a, OBJECTIVE) and not s.screened(b, OBJECTIVE)
+    with s.tx() as db:
+        db.execute("INSERT INTO replay_runs (trace_hash, trace_path, exe, build_id, program_id, knobs, knobs_hash, "
+                   "objective, repeat, cost, created) VALUES ('h', 'descriptor 3', ?, ?, ?, '{}', 'k', ?, 1, 0.1, 0)",
+                   (EXE, BUILD, a, OBJECTIVE))
+    assert s.screened(a, OBJECTIVE)
+    assert not s.screened(a, "time + 2/GiB"), "another objective ranks the policies otherwise"
+    assert not s.screened(b, OBJECTIVE)
+    s.close()

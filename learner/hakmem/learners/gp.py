@@ -133,6 +133,13 @@ class GPLearner(Reporting):
         # Starting from a stored best: the optimum is likely near, small steps.
         warm = bool(history) and first is not None
         self._radius0 = self.p.radius / 2 if warm else self.p.radius
+        # Measured before: the stored best is what that search concluded.
+        # Without a new ranking to confirm, a warm start measures it and
+        # settles; searching blind again on a settled program put redis
+        # through five trials in a row, each rolled back at +33% to +279%
+        # (learn_real, 2-min run at 069eadc). A size-mix change still
+        # starts a search.
+        self._warm = bool(history)
         self._pending: list[Evaluation] = []
         # Every window measured under a known policy, and the ones among
         # them that carry allocation counts (a record was written in them).
@@ -415,6 +422,7 @@ class GPLearner(Reporting):
         hot = PolicySpace.hot_classes(list(self._counted)[-self.p.mix_windows:], self.p.max_hot)
         top = ", ".join(f"{self.ctx.class_size[c]}B {m[c] * 100:.0f}%" for c in hot) or "nothing hot"
         self._reset_search()
+        self._warm = False      # the load changed: what the stored best concluded no longer holds
         _push(self._pending, evs)
         return Decision(self._inc, "relearn",
                         f"relearn: size mix moved {dist:.2f} (L1) for {self.p.mix_windows} windows; now {top}",
@@ -554,6 +562,13 @@ class GPLearner(Reporting):
         if self._inc_run.n >= self.p.remeasure_windows:
             _push(self._pending, [self._inc_run.evaluation("measured")])
             self._inc_run = _Run(self._inc)
+        if self._warm and not isinstance(self._screen, list):
+            self._warm = False
+            self._settle()
+            why = f": {self._screen_note}" if self._screen_note else ""
+            return Decision(self._inc, "settle", f"settled: a warm start keeps the stored best "
+                                                 f"({len(self._history)} policies measured before){why}",
+                            self._take())
         if isinstance(self._screen, list):
             while self._screen and digest(self._screen[0].knobs) in self._tabu:
                 self._screen.pop(0)

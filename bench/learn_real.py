@@ -806,7 +806,10 @@ class Study:
             for name in self.a.only:
                 out["programs"][name] = self.program(name)
         finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.a.keep:
+                say(f"kept {self.tmp} (learnd's logs and databases, the programs' data)")
+            else:
+                shutil.rmtree(self.tmp, ignore_errors=True)
         return out
 
 
@@ -922,6 +925,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--small", action="store_true", help="small data and short idles: the check CI runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for learn_real.json/.md")
     ap.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the working directory (learnd's full logs and databases) and say where")
     a = ap.parse_args(argv)
     a.only = [s for s in a.only.split(",") if s]
     a.points = [s for s in a.points.split(",") if s]

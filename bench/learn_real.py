@@ -106,6 +106,8 @@ POINTS = {
     "warm=max": {"HAKMEM_WARM_SLABS": 1024},
     "warm=0": {"HAKMEM_WARM_SLABS": 0},
     "drain=100": {"HAKMEM_DRAIN_MS": 100},
+    "drain=300": {"HAKMEM_DRAIN_MS": 300},
+    "drain=500": {"HAKMEM_DRAIN_MS": 500},
     "drain=10000": {"HAKMEM_DRAIN_MS": 10000},
     "cap=4 warm=0": {"HAKMEM_TCACHE_CAP": 4, "HAKMEM_WARM_SLABS": 0},
     "cap=max warm=max": {"HAKMEM_TCACHE_CAP": 4096, "HAKMEM_WARM_SLABS": 1024},

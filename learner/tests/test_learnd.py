@@ -274,7 +274,13 @@ def test_fifty_short_lived_processes_leave_nothing_behind(tmp_path):
     finally:
         assert d.stop() == 0, d.text()
     n, live = db_rows(d.db, "SELECT count(*), count(*) - count(exited) FROM processes")[0]
-    assert n >= 45 and live == 0, (n, live)
+    started = d.text().count("process_started")
+    slow = [ln for ln in d.text().splitlines() if "a turn took" in ln]
+    # Every process learnd saw is stored, and stored as gone. A process that
+    # lives 0.4 s may pass unseen while one of learnd's turns runs long on a
+    # loaded machine (CI once saw fewer than 45): most must be seen, not all.
+    assert n == started and live == 0, (n, started, live)
+    assert n >= 40, f"learnd saw {n} of 45 processes; its slow turns: {slow}"
     assert killed == 5
 
 

@@ -176,6 +176,11 @@ HK_INLINE void _hk_lock(hk_lock_t* l) {
         memory_order_acquire, memory_order_relaxed))) return;
   _hk_lock_slow(l);
 }
+HK_INLINE bool _hk_trylock(hk_lock_t* l) {
+  int expect = 0;
+  return atomic_compare_exchange_strong_explicit(&l->v, &expect, 1, memory_order_acquire,
+                                                 memory_order_relaxed);
+}
 HK_INLINE void _hk_unlock(hk_lock_t* l) { hk_store_release(&l->v, 0); }
 HK_INLINE void _hk_lock_reinit(hk_lock_t* l) { hk_store_relaxed(&l->v, 0); }
 
@@ -218,6 +223,8 @@ void  _hk_stash_flush(hk_tcache_t* tc, unsigned cls);  /* other threads' frees o
 void  _hk_slabs_orphan(hk_thread_rec_t* rec);          /* an ended thread's slabs to their classes */
 void  _hk_inbox_sweep(hk_thread_rec_t* rec);           /* a record without a thread: its inboxes to the slabs */
 void  _hk_inbox_sweep_free_records(void);            /* thread.c: every such record */
+bool  _hk_inbox_idle(hk_thread_rec_t* rec);           /* a live record's untaken inboxes to the slabs */
+void  _hk_inbox_sweep_idle(void);                    /* thread.c: every live record's */
 void* _hk_alloc_direct(unsigned cls);                  /* no thread cache */
 void  _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls);
 bool  _hk_trim_warm(void);

@@ -45,6 +45,24 @@
  *     the owner again: a thread may have taken the slab meanwhile.
  *  4. Slabs go back to the OS (segment.c, madvise) after the lock is
  *     dropped, so no thread waits on a syscall while holding it.
+ *  5. A thread holds its record's `slabs` lock while its slow path touches
+ *     its owned slabs and stash (refill, drain, a stash flush, its end).
+ *     Uncontended but for the case below: one atomic pair per refill or
+ *     drain, never on the fast path.
+ *
+ * IDLE OWNERS
+ * Blocks that other threads free go to the owner's inbox and stay there
+ * until the owner refills that class. An owner that stops allocating (a
+ * server's main thread waiting for requests while a helper thread frees
+ * what it built: redis's lazy free after FLUSHALL ASYNC) kept them, and
+ * the slabs under them, for as long as it waited: 160 MiB of redis's
+ * 2 KiB values, with no pass able to give them back. So the decay pass
+ * looks at every live thread's inboxes and stashes; one found unchanged
+ * and not empty since the last pass (a whole drain interval untaken) goes
+ * back to its slabs by the pass, which takes the owner's `slabs` lock for
+ * it (trylock: the pass never waits on a thread, and a thread that wakes
+ * meanwhile waits for the lock at most one give-back). Emptied slabs then
+ * go the usual way: warm pool, dirty pages, decay.
  */
 #include "internal.h"
 #include "prim.h"
@@ -640,8 +658,11 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   cold->fill = want * 2 < cold->batch ? want * 2 : cold->batch;
   /* The bin is empty: it holds cap blocks, and one goes to the caller. */
   uint32_t most = cold->cap + 1;
+  hk_thread_rec_t* me = tc->rec;
+  if (me) _hk_lock(&me->slabs);
   uint32_t got = take_any(tc, c, cls, want, most, &head);
   if (HK_UNLIKELY(got == 0)) got = take_after_trim(tc, c, cls, want, most, &head);
+  if (me) _hk_unlock(&me->slabs);
   hk_add_relaxed(&c->c.refills, 1);
   hk_add_relaxed(&c->c.refill_blocks, got);
   /* ticks, stats.c converts; the kernel's time is priced apart (prim.c) */
@@ -663,6 +684,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   uint64_t t0 = _hk_os_ticks(), k0 = _hk_kernel_ticks;
   route_t r;
   route_begin(&r, tc->state == HK_TC_ACTIVE ? tc->rec : NULL, tc->tid, cls);
+  if (r.me) _hk_lock(&r.me->slabs);
   void* b = bin->head;
   for (uint32_t i = 0; i < n; i++) {
     void* next = *(void**)b;
@@ -672,6 +694,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   bin->head = b;
   bin->room += (int32_t)n;
   route_end(&r);
+  if (r.me) _hk_unlock(&r.me->slabs);
   _hk_publish(tc, cls);
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, n);
@@ -680,7 +703,11 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
 }
 
 void _hk_stash_flush(hk_tcache_t* tc, unsigned cls) {
-  if (tc->rec && tc->state == HK_TC_ACTIVE) stash_flush(tc->rec, tc->rec, cls);
+  hk_thread_rec_t* me = tc->rec;
+  if (!me || tc->state != HK_TC_ACTIVE) return;
+  _hk_lock(&me->slabs);
+  stash_flush(me, me, cls);
+  _hk_unlock(&me->slabs);
 }
 
 void _hk_flush_thread(hk_tcache_t* tc) {
@@ -729,6 +756,27 @@ void _hk_inbox_sweep(hk_thread_rec_t* rec) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) stash_flush(rec, NULL, cls);
 }
 
+/* A live thread's inboxes and stashes that no refill took since the last
+ * pass go back to their slabs, by the pass on the owner's behalf ("idle
+ * owners"; thread.c, registry lock held). Whether any went back. */
+bool _hk_inbox_idle(hk_thread_rec_t* rec) {
+  if (!_hk_trylock(&rec->slabs)) return false;   /* the owner is in its slow path: not idle */
+  bool any = false;
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
+    void* in = hk_load_relaxed(&rec->inbox[cls]);
+    void* st = rec->stash[cls];
+    if ((in || st) && in == rec->seen_inbox[cls] && st == rec->seen_stash[cls]) {
+      stash_flush(rec, rec, cls);
+      any = true;
+      in = st = NULL;
+    }
+    rec->seen_inbox[cls] = in;
+    rec->seen_stash[cls] = st;
+  }
+  _hk_unlock(&rec->slabs);
+  return any;
+}
+
 /* One block without a thread cache: check mode, a cache capacity of 0, or a
  * thread whose cache was already torn down at exit. */
 void* _hk_alloc_direct(unsigned cls) {
@@ -754,8 +802,10 @@ void _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls) {
   hk_tcache_t* tc = &_hk_tc;
   route_t r;
   route_begin(&r, tc->state == HK_TC_ACTIVE ? tc->rec : NULL, tc->tid, cls);
+  if (r.me) _hk_lock(&r.me->slabs);
   route_block(&r, p);
   route_end(&r);
+  if (r.me) _hk_unlock(&r.me->slabs);
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, 1);
   if (r.remote) hk_add_relaxed(&c->c.remote_frees, r.remote);
@@ -796,9 +846,10 @@ bool _hk_warm_decay(uint64_t now_ns, uint64_t interval_ns) {
     _hk_unlock(&c->lock);
     release_all(release);
   }
+  _hk_inbox_sweep_free_records();
+  _hk_inbox_sweep_idle();   /* before the segment decay: what empties counts as dirty from now */
   _hk_segment_decay();
   _hk_huge_decay();
-  _hk_inbox_sweep_free_records();
   return true;
 }
 

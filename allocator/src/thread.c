@@ -112,7 +112,11 @@ static void thread_exit(void* arg) {
   if (tc->state != HK_TC_ACTIVE) return;
   _hk_trace_thread_exit(tc);   /* THREAD_EXIT, and the bins untrapped */
   _hk_flush_thread(tc);
-  if (tc->rec) _hk_slabs_orphan(tc->rec);
+  if (tc->rec) {
+    _hk_lock(&tc->rec->slabs);   /* a decay pass may be giving its inbox back */
+    _hk_slabs_orphan(tc->rec);
+    _hk_unlock(&tc->rec->slabs);
+  }
   _hk_registry_lock();
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     hk_add_relaxed(&_hk_central[cls].c.allocs, _hk_bin_allocs(&tc->bin[cls]));
@@ -174,6 +178,14 @@ void _hk_inbox_sweep_free_records(void) {
   _hk_registry_unlock();
 }
 
+/* Inboxes of live threads that no refill took for a whole interval go to
+ * their slabs (slab.c "idle owners"): run by the decay pass. */
+void _hk_inbox_sweep_idle(void) {
+  _hk_registry_lock();
+  for (hk_thread_rec_t* r = registry; r; r = r->next) _hk_inbox_idle(r);
+  _hk_registry_unlock();
+}
+
 /* Sums every live thread's published counters (stats.c). */
 void _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks) {
   hk_tcache_t* me = &_hk_tc;
@@ -213,7 +225,10 @@ void _hk_thread_after_fork_child(void) {
   rec_count_at_sweep = rec_count;
   if (me->state == HK_TC_ACTIVE) {
     me->tid = _hk_os_tid();
-    if (me->rec) me->rec->tid = me->tid;
+    if (me->rec) {
+      me->rec->tid = me->tid;
+      _hk_lock_reinit(&me->rec->slabs);
+    }
   }
   hk_store_relaxed(&_hk_proc.threads, me->state == HK_TC_ACTIVE ? 1 : 0);
 }

@@ -226,7 +226,10 @@ typedef struct hk_thread_rec_s {
   _Atomic uint64_t allocs[HK_NUM_CLASSES];  /* blocks handed out, as last published */
   _Atomic uint32_t cached[HK_NUM_CLASSES];  /* bin.count as last published */
   uint32_t tid;                             /* kernel thread id */
-  uint32_t _pad;
+  /* Held by the thread while its slow path touches own, own_full and
+   * stash, and by the decay pass while it gives back the inbox of a thread
+   * that has not taken it for a whole interval (slab.c "idle owners"). */
+  hk_lock_t slabs;
   struct hk_thread_rec_s* next;             /* registry, or free list */
   struct hk_thread_rec_s* prev;
   /* Slabs this thread owns, per class (slab.c "ownership"): touched by the
@@ -236,6 +239,9 @@ typedef struct hk_thread_rec_s {
   hk_slab_t* own[HK_NUM_CLASSES];           /* with free or never-used blocks */
   hk_slab_t* own_full[HK_NUM_CLASSES];      /* every block out */
   void*      stash[HK_NUM_CLASSES];         /* chains taken from inbox, not yet used */
+  /* What the last decay pass found in inbox and stash (slab.c "idle owners"). */
+  void*      seen_inbox[HK_NUM_CLASSES];
+  void*      seen_stash[HK_NUM_CLASSES];
   /* Blocks of this thread's slabs that other threads freed: chains pushed
    * with one compare-and-swap each, taken by this thread in one exchange. */
   _Atomic(void*) inbox[HK_NUM_CLASSES] __attribute__((aligned(64)));

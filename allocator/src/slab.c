@@ -61,8 +61,9 @@
  * and not empty since the last pass (a whole drain interval untaken) goes
  * back to its slabs by the pass, which takes the owner's `slabs` lock for
  * it (trylock: the pass never waits on a thread, and a thread that wakes
- * meanwhile waits for the lock at most one give-back). Emptied slabs then
- * go the usual way: warm pool, dirty pages, decay.
+ * meanwhile waits for the lock at most one chain of blocks; the pass then
+ * stops). Emptied slabs then go the usual way: warm pool, dirty pages,
+ * decay.
  */
 #include "internal.h"
 #include "prim.h"
@@ -756,6 +757,38 @@ void _hk_inbox_sweep(hk_thread_rec_t* rec) {
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) stash_flush(rec, NULL, cls);
 }
 
+/* Class cls's inbox and stash of rec back to their slabs, one chain (one
+ * drain's worth: a thread cache's capacity at most) per hold of rec's
+ * lock, which the caller holds: a thread that wakes meanwhile waits for
+ * one chain, not for all of them (a million blocks take milliseconds). False when the owner took
+ * the lock between two chains: the rest stays in its stash, which the
+ * owner uses or the next pass gives back; the lock is then not held. */
+static bool idle_give_back(hk_thread_rec_t* rec, unsigned cls) {
+  void* in = atomic_exchange_explicit(&rec->inbox[cls], NULL, memory_order_acquire);
+  if (in) {   /* the inbox goes in front of the stash */
+    uint32_t n;
+    void* t = in;
+    for (void* nx; (nx = (void*)chain_head_get(t, &n)) != NULL;) t = nx;
+    chain_head_set(t, (uintptr_t)rec->stash[cls], n);
+    rec->stash[cls] = in;
+  }
+  while (rec->stash[cls]) {
+    uint32_t n;
+    void* h = rec->stash[cls];
+    rec->stash[cls] = (void*)chain_head_get(h, &n);
+    route_t r;
+    route_begin(&r, rec, 0, cls);   /* counts nothing: these were counted when sent */
+    for (void* b = h, *nb; b; b = nb) {
+      nb = *(void**)b;
+      route_block(&r, b);
+    }
+    route_end(&r);
+    _hk_unlock(&rec->slabs);
+    if (!_hk_trylock(&rec->slabs)) return false;
+  }
+  return true;
+}
+
 /* A live thread's inboxes and stashes that no refill took since the last
  * pass go back to their slabs, by the pass on the owner's behalf ("idle
  * owners"; thread.c, registry lock held). Whether any went back. */
@@ -766,8 +799,8 @@ bool _hk_inbox_idle(hk_thread_rec_t* rec) {
     void* in = hk_load_relaxed(&rec->inbox[cls]);
     void* st = rec->stash[cls];
     if ((in || st) && in == rec->seen_inbox[cls] && st == rec->seen_stash[cls]) {
-      stash_flush(rec, rec, cls);
       any = true;
+      if (!idle_give_back(rec, cls)) return true;   /* the owner woke: it has its lock */
       in = st = NULL;
     }
     rec->seen_inbox[cls] = in;

@@ -11,6 +11,8 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -92,6 +94,103 @@ static int child_remote(void) {
   sleep_ms(600);
   uint64_t now = committed();
   harness_say("after free %llu KiB after idle %llu KiB\n", (unsigned long long)after_free >> 10,
+              (unsigned long long)(now > base ? now - base : 0) >> 10);
+  return 0;
+}
+
+/* Child: owners that idle for a few drain intervals between bursts while
+ * another thread frees their blocks, so that the decay pass gives their
+ * inboxes back while they wake (HAKMEM_DRAIN_MS=5: a pass every 15 ms).
+ * Each block carries its owner and round; one handed out twice, or given
+ * back while still out, shows as a pattern that changed under the freer. */
+enum { RACE_OWNERS = 3, RACE_BLOCKS = 1500, RACE_SIZE = 320 };
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t* batch[RACE_OWNERS];   /* a batch waiting for the freer, or NULL */
+  void** blocks[RACE_OWNERS];
+  int count[RACE_OWNERS];
+  bool done;
+} race_t;
+static race_t race = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, {0}, {0}, false};
+static atomic_long race_rounds, race_bad;
+
+static void* race_owner(void* arg) {
+  long id = (long)arg;
+  void** mine = malloc(RACE_BLOCKS * sizeof *mine);
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (uint64_t round = 1;; round++) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (now.tv_sec - t0.tv_sec >= 2) break;
+    /* A short round after a long one leaves chains in the stash beside
+     * the inbox the freer fills: the pass gives back both. */
+    int n = round % 2 ? RACE_BLOCKS : RACE_BLOCKS / 3;
+    for (int i = 0; i < n; i++) {
+      uint64_t* b = malloc(RACE_SIZE);
+      for (unsigned w = 0; w < RACE_SIZE / 8; w++) b[w] = ((uint64_t)id << 56) | (round << 20) | (uint64_t)i;
+      mine[i] = b;
+    }
+    pthread_mutex_lock(&race.mu);
+    while (race.blocks[id]) pthread_cond_wait(&race.cv, &race.mu);
+    race.blocks[id] = mine;
+    race.count[id] = n;
+    pthread_cond_broadcast(&race.cv);
+    while (race.blocks[id]) pthread_cond_wait(&race.cv, &race.mu);   /* freed: this thread's inbox fills */
+    pthread_mutex_unlock(&race.mu);
+    sleep_ms(5 + (int)(round % 4) * 10);   /* idle for 0-3 passes, then wake into one */
+    atomic_fetch_add(&race_rounds, 1);
+  }
+  free(mine);
+  return NULL;
+}
+
+static void* race_freer(void* arg) {
+  (void)arg;
+  pthread_mutex_lock(&race.mu);
+  for (;;) {
+    int id = -1;
+    for (int k = 0; k < RACE_OWNERS; k++)
+      if (race.blocks[k]) id = k;
+    if (id < 0) {
+      if (race.done) break;
+      pthread_cond_wait(&race.cv, &race.mu);
+      continue;
+    }
+    void** bl = race.blocks[id];
+    for (int i = 0; i < race.count[id]; i++) {
+      uint64_t* b = bl[i];
+      uint64_t want = ((uint64_t)id << 56) | (uint64_t)i, seen = b[RACE_SIZE / 8 - 1];
+      if ((seen & ~((uint64_t)0xfffff << 20)) != want || b[0] != seen) atomic_fetch_add(&race_bad, 1);
+      free(b);
+    }
+    race.blocks[id] = NULL;
+    pthread_cond_broadcast(&race.cv);
+  }
+  pthread_mutex_unlock(&race.mu);
+  return NULL;
+}
+
+static int child_race(void) {
+  uint64_t base = committed();
+  void* early = malloc(64);
+  free(early);
+  sleep_ms(1100);   /* the background thread may start from the next slow path */
+  free(malloc(64));
+  pthread_t f, o[RACE_OWNERS];
+  if (pthread_create(&f, NULL, race_freer, NULL) != 0) return 2;
+  for (long k = 0; k < RACE_OWNERS; k++)
+    if (pthread_create(&o[k], NULL, race_owner, (void*)k) != 0) return 2;
+  for (int k = 0; k < RACE_OWNERS; k++) pthread_join(o[k], NULL);
+  pthread_mutex_lock(&race.mu);
+  race.done = true;
+  pthread_cond_broadcast(&race.cv);
+  pthread_mutex_unlock(&race.mu);
+  pthread_join(f, NULL);
+  sleep_ms(200);   /* every block is free: what stays committed after 13 passes was lost on the way */
+  uint64_t now = committed();
+  harness_say("rounds %ld bad %ld kept %llu KiB\n", atomic_load(&race_rounds), atomic_load(&race_bad),
               (unsigned long long)(now > base ? now - base : 0) >> 10);
   return 0;
 }
@@ -227,6 +326,20 @@ TEST(an_idle_thread_gets_back_what_another_thread_freed) {
   CHECK(idle >= 32 * 1024);
 }
 
+TEST(the_idle_pass_and_waking_owners_never_share_a_block) {
+  static char out[16384];
+  char* envp[] = {"HAKMEM_DRAIN_MS=5", "HAKMEM_STATS=1", NULL};
+  CHECK_EQ(rerun_self("race", envp, out, sizeof out), 0);
+  unsigned long long rounds = kib_after(out, "rounds "), bad = kib_after(out, " bad ");
+  harness_say("  %llu rounds of %d blocks freed by another thread, owners idle 5-35 ms: %llu blocks changed under the freer\n",
+              rounds, RACE_BLOCKS, bad);
+  unsigned long long kept = kib_after(out, " kept ");
+  harness_say("  %llu KiB committed 200 ms after the last free\n", kept);
+  CHECK(rounds >= 3 && rounds != ~0ull);
+  CHECK_EQ(bad, 0);
+  CHECK(kept <= 2048);   /* a round needs 1.4 MiB at its peak; the rest goes back */
+}
+
 TEST(the_thread_blocks_every_signal) {
   static char out[16384];
   int rc = rerun("signals", NULL, out, sizeof out);
@@ -255,6 +368,7 @@ int main(int argc, char** argv) {
   if (argc > 1) {
     if (!strcmp(argv[1], "idle")) return child_idle();
     if (!strcmp(argv[1], "remote")) return child_remote();
+    if (!strcmp(argv[1], "race")) return child_race();
     if (!strcmp(argv[1], "signals")) return child_signals();
     if (!strcmp(argv[1], "seccomp")) return child_seccomp();
     if (!strcmp(argv[1], "fork")) return child_fork();
@@ -262,6 +376,7 @@ int main(int argc, char** argv) {
   }
   RUN(an_idle_process_gives_its_freed_pages_back);
   RUN(an_idle_thread_gets_back_what_another_thread_freed);
+  RUN(the_idle_pass_and_waking_owners_never_share_a_block);
   RUN(the_thread_blocks_every_signal);
   RUN(a_seccomp_filter_keeps_the_thread_off);
   RUN(a_forked_child_starts_its_own_thread);

@@ -223,7 +223,7 @@ void  _hk_stash_flush(hk_tcache_t* tc, unsigned cls);  /* other threads' frees o
 void  _hk_slabs_orphan(hk_thread_rec_t* rec);          /* an ended thread's slabs to their classes */
 void  _hk_inbox_sweep(hk_thread_rec_t* rec);           /* a record without a thread: its inboxes to the slabs */
 void  _hk_inbox_sweep_free_records(void);            /* thread.c: every such record */
-bool  _hk_inbox_idle(hk_thread_rec_t* rec);           /* a live record's untaken inboxes to the slabs */
+void  _hk_inbox_idle(hk_thread_rec_t* rec);           /* a live record's untaken inboxes to the slabs */
 void  _hk_inbox_sweep_idle(void);                    /* thread.c: every live record's */
 void* _hk_alloc_direct(unsigned cls);                  /* no thread cache */
 void  _hk_free_direct(void* p, hk_segment_t* seg, unsigned page, unsigned cls);

@@ -760,9 +760,9 @@ void _hk_inbox_sweep(hk_thread_rec_t* rec) {
 /* Class cls's inbox and stash of rec back to their slabs, one chain (one
  * drain's worth: a thread cache's capacity at most) per hold of rec's
  * lock, which the caller holds: a thread that wakes meanwhile waits for
- * one chain, not for all of them (a million blocks take milliseconds). False when the owner took
- * the lock between two chains: the rest stays in its stash, which the
- * owner uses or the next pass gives back; the lock is then not held. */
+ * one chain, not for all of them. False when the owner took the lock
+ * between two chains: the rest stays in its stash, which the owner uses
+ * or the next pass gives back; the lock is then not held. */
 static bool idle_give_back(hk_thread_rec_t* rec, unsigned cls) {
   void* in = atomic_exchange_explicit(&rec->inbox[cls], NULL, memory_order_acquire);
   if (in) {   /* the inbox goes in front of the stash */
@@ -776,12 +776,10 @@ static bool idle_give_back(hk_thread_rec_t* rec, unsigned cls) {
     uint32_t n;
     void* h = rec->stash[cls];
     rec->stash[cls] = (void*)chain_head_get(h, &n);
+    chain_head_set(h, 0, n);   /* this chain alone */
     route_t r;
     route_begin(&r, rec, 0, cls);   /* counts nothing: these were counted when sent */
-    for (void* b = h, *nb; b; b = nb) {
-      nb = *(void**)b;
-      route_block(&r, b);
-    }
+    route_chains(&r, h);
     route_end(&r);
     _hk_unlock(&rec->slabs);
     if (!_hk_trylock(&rec->slabs)) return false;
@@ -791,23 +789,20 @@ static bool idle_give_back(hk_thread_rec_t* rec, unsigned cls) {
 
 /* A live thread's inboxes and stashes that no refill took since the last
  * pass go back to their slabs, by the pass on the owner's behalf ("idle
- * owners"; thread.c, registry lock held). Whether any went back. */
-bool _hk_inbox_idle(hk_thread_rec_t* rec) {
-  if (!_hk_trylock(&rec->slabs)) return false;   /* the owner is in its slow path: not idle */
-  bool any = false;
+ * owners"; thread.c, registry lock held). */
+void _hk_inbox_idle(hk_thread_rec_t* rec) {
+  if (!_hk_trylock(&rec->slabs)) return;   /* the owner is in its slow path: not idle */
   for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) {
     void* in = hk_load_relaxed(&rec->inbox[cls]);
     void* st = rec->stash[cls];
     if ((in || st) && in == rec->seen_inbox[cls] && st == rec->seen_stash[cls]) {
-      any = true;
-      if (!idle_give_back(rec, cls)) return true;   /* the owner woke: it has its lock */
+      if (!idle_give_back(rec, cls)) return;   /* the owner woke: it has its lock */
       in = st = NULL;
     }
     rec->seen_inbox[cls] = in;
     rec->seen_stash[cls] = st;
   }
   _hk_unlock(&rec->slabs);
-  return any;
 }
 
 /* One block without a thread cache: check mode, a cache capacity of 0, or a

@@ -2,7 +2,8 @@
  * drain sends each block of a slab another thread owns to that thread's
  * inbox, a chain per owner, and the owner's next refill takes a chain
  * whole; chains waiting in an inbox go back to their slabs at malloc_trim
- * and at the decay pass, so they never pin memory for long; and a thread
+ * and at the decay pass, also while another thread still frees into them,
+ * so they never pin memory for long; and a thread
  * that ends hands its slabs to their class, whose blocks then come back
  * under the class lock, also while another thread takes those slabs over. */
 #define _GNU_SOURCE
@@ -139,6 +140,55 @@ TEST(the_idle_pass_gives_an_inbox_back) {
   set_policy(0, 0);
 }
 
+/* The pass of a thread that goes on allocating in other classes gives back
+ * the inbox of a class it left idle at every interval, also while another
+ * thread still frees into it: the slabs empty as the frees arrive. The
+ * pass over idle owners (slab.c) waits for an inbox to stay unchanged a
+ * whole interval, which a steady freer never lets happen, so only the
+ * owner's own pass does this. The freer frees a slice every 3 ms (a tenth
+ * of the interval); the count is taken before its last slice. */
+static _Atomic int slices_done, may_end;
+enum { SLICES = 64, SLICE = MANY / SLICES };
+
+static void* free_in_slices(void* arg) {
+  for (int s = 0; s < SLICES - 1; s++) {
+    for (int i = s * SLICE; i < (s + 1) * SLICE; i++) free(blocks[i]);
+    atomic_store(&slices_done, s + 1);
+    sleep_ms(3);
+  }
+  while (!atomic_load(&may_end)) sleep_ms(1);
+  for (int i = (SLICES - 1) * SLICE; i < MANY; i++) free(blocks[i]);
+  return arg;
+}
+
+TEST(an_inbox_still_filling_goes_back_while_its_owner_works_elsewhere) {
+  set_policy(0, 30);
+  malloc_trim(0);
+  nfree = MANY;
+  alloc_all(NULL);
+  hk_thread_flush();
+  atomic_store(&slices_done, 0);
+  atomic_store(&may_end, 0);
+  hk_stats_t a, b;
+  hk_stats_get(&a);
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, free_in_slices, NULL) == 0);
+  static void* q[200];
+  while (atomic_load(&slices_done) < SLICES - 1) {   /* another class keeps the slow paths going */
+    for (int i = 0; i < 200; i++) q[i] = malloc(3000);
+    for (int i = 0; i < 200; i++) free(q[i]);
+    sleep_ms(2);
+  }
+  hk_stats_get(&b);
+  atomic_store(&may_end, 1);
+  pthread_join(t, NULL);
+  uint64_t back = b.cls[cls].slabs_to_os - a.cls[cls].slabs_to_os;
+  harness_say("  %d of %d slices freed: %llu slabs went to the OS meanwhile\n", SLICES - 1, SLICES,
+              (unsigned long long)back);
+  CHECK(back >= 3);
+  set_policy(0, 0);
+}
+
 /* A thread allocates MANY blocks and ends without freeing them: its slabs
  * go to the class, and this thread's frees return them there, not to an
  * inbox nobody reads: the emptied slabs go to the OS. Each free is still a
@@ -251,6 +301,7 @@ int main(void) {
   RUN(a_drained_chain_goes_to_its_owner_and_feeds_its_refill_whole);
   RUN(malloc_trim_gives_an_inbox_back_to_its_slabs);
   RUN(the_idle_pass_gives_an_inbox_back);
+  RUN(an_inbox_still_filling_goes_back_while_its_owner_works_elsewhere);
   RUN(an_ended_threads_slabs_go_to_their_class);
   RUN(slabs_taken_over_while_their_blocks_come_back);
   return harness_done();

@@ -202,6 +202,7 @@ class Program:
     target: dict | None = None       # the knobs learnd wants in force
     target_origin: str = "default"
     pinned: bool = False
+    told_mix_known: bool = False     # logged once that its mix cycles (gp.py "mix_memory")
     procs: dict = dataclasses.field(default_factory=dict)   # path -> Proc
     first_seen: float = 0.0
     last_seen: float = 0.0
@@ -747,6 +748,11 @@ class Daemon:
                                      f"{', pinned' if prog.pinned else ''}) applied at start; "
                                      f"{len(history)} policies measured before", prog, p.pid, knobs=chosen["knobs"])
         dec = prog.learner.start(prog.ctx, incumbent, history)
+        if history and hasattr(prog.learner, "remember"):
+            try:
+                prog.learner.remember(self.store.recent_mixes(prog.program_id))
+            except Exception as e:
+                self.log("warning", f"cannot read the size mixes {prog.exe} ran before: {e}")
         if dec is not None:
             self._decide(prog, dec)
         elif prog.target is None:
@@ -967,6 +973,10 @@ class Daemon:
             dec = None
         if dec is not None:
             self._decide(prog, dec)
+        if getattr(prog.learner, "mixes_known", 0) == 1 and not prog.told_mix_known:
+            prog.told_mix_known = True
+            self.log("info", f"{os.path.basename(prog.exe)}: its size mix moved to one it ran before (a load "
+                             f"that cycles): no new search for such moves")
         for ev in prog.learner.pending():
             self._store_evaluation(prog, ev)
         if prog.screen is not None:

@@ -327,6 +327,15 @@ class Store:
         db.execute("UPDATE policies SET objective = ?, objective_sd = ?, evaluations = ? WHERE id = ?",
                    (mean, var ** 0.5, n, policy_id))
 
+    def recent_mixes(self, program_id, limit=600) -> list[np.ndarray]:
+        """Allocations per class of the program's latest raw windows that
+        allocated, oldest first (merged windows keep no mix)."""
+        rows = self.db.execute(
+            "SELECT w.mix FROM windows w JOIN processes p ON p.id = w.process_id "
+            "WHERE p.program_id = ? AND w.mix IS NOT NULL AND w.allocs > 0 "
+            "ORDER BY w.t_end DESC LIMIT ?", (program_id, int(limit))).fetchall()
+        return [np.frombuffer(r[0], dtype="<f4").astype(float) for r in reversed(rows)]
+
     def priors(self, program_id, objective) -> list[Prior]:
         """Every policy measured under this objective, pooled (for a warm start)."""
         out = []

@@ -442,6 +442,61 @@ def test_gp_relearns_when_the_mix_moves():
     assert any(j > i and dd.kind == "explore" for j, dd in decisions)
 
 
+def warm_relearns(lrn, sim, ctx, n, history, load):
+    """A warm start driven n windows: it settles first; the windows of its relearns."""
+    decisions, _, _ = drive(lrn, sim, ctx, n, history=history, before_window=load)
+    kinds = [(i, d.kind) for i, d in decisions]
+    assert kinds[0][1] == "settle" and kinds[0][0] < 6, kinds
+    return [i for i, k in kinds if k == "relearn"], kinds
+
+
+CYCLE = (64, 512, 4096, 256)
+
+
+def test_gp_a_load_that_cycles_through_mixes_is_searched_once():
+    # redis in learn_real: each cycle stores values of another size, so the
+    # mix of any three windows moves ~0.6 from the last three. Each move
+    # started the search again (13 trials in 2 minutes, none concluded).
+    # A mix the program ran before is no new load.
+    ctx = make_ctx()
+    sim = Sim(ctx, allocs=2e6)
+
+    def rotate(i):
+        sim.hot = CYCLE[i % len(CYCLE)]
+    lrn = GPLearner(seed=0)
+    decisions, _, _ = drive(lrn, sim, ctx, 120, before_window=rotate)
+    relearn = [i for i, d in decisions if d.kind == "relearn"]
+    assert len(relearn) <= 1 and all(i < 4 * len(CYCLE) for i in relearn), decisions
+    assert lrn.mixes_known >= 20
+    assert lrn.state() != "measuring"
+
+
+def test_gp_warm_start_remembers_the_stored_mixes_and_a_new_one_still_searches():
+    ctx = make_ctx()
+    sim = Sim(ctx, allocs=2e6)
+    history = [Prior(ctx.default, sim.truth(ctx.default)["cost"], 0.002, 30)]
+    before = []
+    for i in range(40):   # what the store kept of the program's last run
+        sim.hot = CYCLE[i % len(CYCLE)]
+        before.append(sim.window(i, ctx.default, ctx.default).allocs)
+
+    def load(i):
+        if i == 0:
+            lrn.remember(before)
+        sim.hot = CYCLE[i % len(CYCLE)] if i < 60 else 8192
+        if i >= 60:
+            sim.mu = 40.0
+    lrn = GPLearner(seed=0)
+    relearn, kinds = warm_relearns(lrn, sim, ctx, 80, history, load)
+    assert len(relearn) == 1 and 60 <= relearn[0] <= 66, kinds
+    # Without the store's mixes, the same start searched again within a cycle.
+    lrn2 = GPLearner(seed=0)
+    sim.mu = 300.0
+    decisions2, _, _ = drive(lrn2, sim, ctx, 20, history=history,
+                             before_window=lambda i: setattr(sim, "hot", CYCLE[i % len(CYCLE)]))
+    assert [d for _, d in decisions2 if d.kind == "relearn"], decisions2
+
+
 def test_gp_mix_stable_never_relearns():
     ctx = make_ctx()
     decisions, _, _ = drive(GPLearner(seed=0), Sim(ctx), ctx, 40)
@@ -488,11 +543,7 @@ def test_gp_warm_start_settled_searches_again_when_the_mix_moves():
     def phase(i):
         if i == 20:
             sim.hot, sim.mu = 4096, 40.0
-    lrn = GPLearner(seed=0)
-    decisions, _, _ = drive(lrn, sim, ctx, 34, history=history, before_window=phase)
-    kinds = [(i, d.kind) for i, d in decisions]
-    assert kinds[0][1] == "settle" and kinds[0][0] < 6, kinds
-    relearn = [i for i, k in kinds if k == "relearn"]
+    relearn, kinds = warm_relearns(GPLearner(seed=0), sim, ctx, 34, history, phase)
     assert len(relearn) == 1 and 20 <= relearn[0] <= 25, kinds
     assert any(i > relearn[0] and k == "explore" for i, k in kinds), kinds
 

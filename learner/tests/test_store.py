@@ -419,6 +419,32 @@ def test_retention_keeps_at_most_max_rows_dropping_the_oldest(tmp_path):
     s.close()
 
 
+def test_recent_mixes_are_the_programs_latest_raw_windows_that_allocated_oldest_first(tmp_path):
+    """A warm start's memory of the mixes a program ran (gp.py "mix_memory"):
+    every process of the program, newest `limit` windows, in time order;
+    windows of other programs, without a mix (merged) or without
+    allocations are not mixes."""
+    s = Store(tmp_path / "learn.db")
+    prog = s.program(EXE, BUILD, "0", SIZES, now=NOW)
+    other_prog = s.program("/usr/bin/other", BUILD, "0", SIZES, now=NOW)
+    a, b = s.process(prog, 100, 1, 0, now=NOW), s.process(prog, 101, 1, 0, now=NOW)
+    c = s.process(other_prog, 102, 1, 0, now=NOW)
+    pol, pol_c = s.policy(prog, knobs(), "default", now=NOW), s.policy(other_prog, knobs(), "default", now=NOW)
+
+    def win(proc, p, t, k, **kw):
+        row = _window(proc, p, t, 1.0, **kw)
+        if row["mix"] is not None:
+            row["mix"] = np.eye(L.NUM_CLASSES, dtype=np.float32)[k] * 1000
+        return row
+    s.add_windows([win(a, pol, NOW - 10, 1), win(b, pol, NOW - 9, 2), win(c, pol_c, NOW - 8, 3),
+                   win(a, pol, NOW - 7, 4, mix=False), win(b, pol, NOW - 6, 5) | {"allocs": 0.0},
+                   win(a, pol, NOW - 5, 6)])
+    got = s.recent_mixes(prog)
+    assert [int(np.argmax(m)) for m in got] == [1, 2, 6] and all(float(m.sum()) == 1000.0 for m in got)
+    assert [int(np.argmax(m)) for m in s.recent_mixes(prog, limit=2)] == [2, 6]
+    s.close()
+
+
 def test_learnd_retention_settings_are_the_documented_ones():
     cfg = Config()
     assert (cfg.raw_hours, cfg.keep_days, cfg.max_windows, cfg.retain_every) == (6.0, 30.0, 500_000, 600.0)

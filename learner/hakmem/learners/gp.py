@@ -37,6 +37,12 @@ class GPParams:
     settle_after: int = 3           # failures at the smallest radius that settle the search
     report_every: int = 10          # windows per "measured" evaluation of a steady policy
     mix_threshold: float = 0.5      # L1 distance of the size mix that starts the search again ...
+    # ... unless the program ran that mix before, within this many counted
+    # windows (this run's, and the store's for a warm start): a program whose
+    # load cycles (redis in learn_real: 64, 512, 2048, 256-byte values in
+    # turn) moved "0.62" every cycle, and the warm run searched again from
+    # scratch, 13 trials in 2 minutes, settled on nothing.
+    mix_memory: int = 600
     trial_windows_max: int = 8      # a better but inconclusive candidate runs up to this long
     flat_after: int = 6             # inconclusive trials in a row that settle the search
     stall_windows: int = 10         # windows a candidate may stay unapplied before a rollback
@@ -145,6 +151,9 @@ class GPLearner(Reporting):
         # them that carry allocation counts (a record was written in them).
         self._recent: collections.deque[Window] = collections.deque(maxlen=max(8, self.p.warmup_windows))
         self._counted: collections.deque[Window] = collections.deque(maxlen=max(8, self.p.warmup_windows))
+        # The size mix of every counted window, across searches ("mix_memory").
+        self._mixes: collections.deque[np.ndarray] = collections.deque(maxlen=self.p.mix_memory)
+        self.mixes_known = 0      # mix changes to a mix seen before: no new search
         self._work: collections.deque[float] = collections.deque(maxlen=30)   # allocations/s of counted windows
         self._meter = _Meter(self.p.report_every)    # explore=False only
         self._idle = False
@@ -157,6 +166,16 @@ class GPLearner(Reporting):
         self._screen_won = False
         self._reset_search()
         return first
+
+    def remember(self, allocs) -> None:
+        """Allocation counts per class of earlier windows of this program,
+        oldest first (learnd gives the store's at a warm start): the mixes it
+        ran before, which a mix change must differ from to search again."""
+        for a in allocs:
+            a = np.asarray(a, dtype=float)
+            tot = float(a.sum())
+            if tot > 0 and a.shape == (len(self.ctx.class_size),):
+                self._mixes.append(a / tot)
 
     # -- screening (learnd's screen.py) -------------------------------------------------
     def screening(self) -> None:
@@ -228,6 +247,7 @@ class GPLearner(Reporting):
         self._recent.append(w)
         if counted:
             self._counted.append(w)
+            self._mixes.append(w.mix())
         if not self.ctx.explore:
             _push(self._pending, self._meter.add(w))
             if same(w.knobs, self._inc):
@@ -414,6 +434,11 @@ class GPLearner(Reporting):
         self._mix_over = self._mix_over + 1 if dist > self.p.mix_threshold else 0
         if self._mix_over < self.p.mix_windows:
             return None
+        if self._seen_before():
+            self._ref_mix = m
+            self._mix_over = 0
+            self.mixes_known += 1
+            return None
         evs = []
         if self._trial is not None and self._trial.n:
             evs.append(self._trial.evaluation("measured", self._inc, self._inc_mean()))
@@ -427,6 +452,20 @@ class GPLearner(Reporting):
         return Decision(self._inc, "relearn",
                         f"relearn: size mix moved {dist:.2f} (L1) for {self.p.mix_windows} windows; now {top}",
                         self._take())
+
+    def _seen_before(self) -> bool:
+        """Each of the last mix_windows counted windows is within mix_threshold
+        of some window before the current excursion from the reference. Window
+        by window, not their mean: a cycle's windows come in any phase (a
+        transition or an idle window skips one), so a mean of three may be
+        new where none of the three is."""
+        k = self.p.mix_windows
+        mixes = list(self._mixes)
+        old = mixes[:max(0, len(mixes) - (self._mix_over + k - 1))]
+        if not old:
+            return False
+        old_m = np.vstack(old)
+        return all(float(np.abs(old_m - r).sum(axis=1).min()) <= self.p.mix_threshold for r in mixes[-k:])
 
     # -- a trial's verdict -------------------------------------------------------------
     def _judge(self) -> Decision | None:

@@ -742,17 +742,22 @@ class Daemon:
                 history = self.store.priors(prog.program_id, prog.objective.describe())
         except Exception as e:
             self.log("warning", f"cannot read the history of {prog.exe}: {e}")
+        mixes = []
+        if history and hasattr(prog.learner, "remember"):
+            try:
+                mixes = self.store.recent_mixes(prog.program_id)
+            except Exception as e:
+                self.log("warning", f"cannot read the size mixes {prog.exe} ran before: {e}")
         if chosen:
             self._set_target(prog, chosen["knobs"], chosen["origin"])
             self.event("warm_start", f"policy v{chosen['version']} ({chosen['origin']}"
                                      f"{', pinned' if prog.pinned else ''}) applied at start; "
-                                     f"{len(history)} policies measured before", prog, p.pid, knobs=chosen["knobs"])
+                                     f"{len(history)} policies measured before"
+                                     f"{f', the size mixes of {len(mixes)} windows' if mixes else ''}",
+                       prog, p.pid, knobs=chosen["knobs"])
         dec = prog.learner.start(prog.ctx, incumbent, history)
-        if history and hasattr(prog.learner, "remember"):
-            try:
-                prog.learner.remember(self.store.recent_mixes(prog.program_id))
-            except Exception as e:
-                self.log("warning", f"cannot read the size mixes {prog.exe} ran before: {e}")
+        if mixes:
+            prog.learner.remember(mixes)
         if dec is not None:
             self._decide(prog, dec)
         elif prog.target is None:

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import signal
 import sqlite3
 import stat
@@ -192,6 +193,10 @@ def test_warm_start_applies_the_stored_best_within_a_second(tmp_path):
     log = d.text()
     assert "screened" not in log and "policy_applied" not in log, log
     assert "settled: a warm start keeps the stored best" in log, log
+    # ... and remembers the size mixes the first run stored, so a mix the
+    # program ran before starts no new search (gp.py "mix_memory").
+    m = re.search(r"warm_start .*the size mixes of (\d+) windows", log)
+    assert m and int(m.group(1)) >= 5, log
 
 
 def test_sigkill_at_random_moments_leaves_programs_and_database_intact(tmp_path):

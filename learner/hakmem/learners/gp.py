@@ -43,6 +43,12 @@ class GPParams:
     # turn) moved "0.62" every cycle, and the warm run searched again from
     # scratch, 13 trials in 2 minutes, settled on nothing.
     mix_memory: int = 600
+    # A window's mix counts only with this many allocations: bench-learn's
+    # spikes allocates 14,000 blocks in one window and 3 in the next, and a
+    # mean of three windows' shares, one of them 3 blocks of random sizes,
+    # "moved 1.08" and cut a screened candidate's trial short. Mixes are
+    # pooled by allocations for the same reason.
+    mix_min_allocs: float = 256.0
     trial_windows_max: int = 8      # a better but inconclusive candidate runs up to this long
     flat_after: int = 6             # inconclusive trials in a row that settle the search
     stall_windows: int = 10         # windows a candidate may stay unapplied before a rollback
@@ -151,7 +157,7 @@ class GPLearner(Reporting):
         # them that carry allocation counts (a record was written in them).
         self._recent: collections.deque[Window] = collections.deque(maxlen=max(8, self.p.warmup_windows))
         self._counted: collections.deque[Window] = collections.deque(maxlen=max(8, self.p.warmup_windows))
-        # The size mix of every counted window, across searches ("mix_memory").
+        # The allocations per class of every counted window, across searches ("mix_memory").
         self._mixes: collections.deque[np.ndarray] = collections.deque(maxlen=self.p.mix_memory)
         self.mixes_known = 0      # mix changes to a mix seen before: no new search
         self._work: collections.deque[float] = collections.deque(maxlen=30)   # allocations/s of counted windows
@@ -173,9 +179,8 @@ class GPLearner(Reporting):
         ran before, which a mix change must differ from to search again."""
         for a in allocs:
             a = np.asarray(a, dtype=float)
-            tot = float(a.sum())
-            if tot > 0 and a.shape == (len(self.ctx.class_size),):
-                self._mixes.append(a / tot)
+            if float(a.sum()) > 0 and a.shape == (len(self.ctx.class_size),):
+                self._mixes.append(a)
 
     # -- screening (learnd's screen.py) -------------------------------------------------
     def screening(self) -> None:
@@ -247,7 +252,7 @@ class GPLearner(Reporting):
         self._recent.append(w)
         if counted:
             self._counted.append(w)
-            self._mixes.append(w.mix())
+            self._mixes.append(np.asarray(w.allocs, dtype=float))
         if not self.ctx.explore:
             _push(self._pending, self._meter.add(w))
             if same(w.knobs, self._inc):
@@ -407,7 +412,7 @@ class GPLearner(Reporting):
         counted = list(self._counted)[-self.p.warmup_windows:]
         self._space = PolicySpace(self.ctx, self._inc, counted or list(self._recent)[-self.p.warmup_windows:],
                                   self.p.max_hot)
-        self._ref_mix = np.mean([w.mix() for w in counted], axis=0) if counted else None
+        self._ref_mix = _pooled([w.allocs for w in counted]) if counted else None
         self._mix_over = 0
         self._inc_x = self._space.from_knobs(self._inc)
         self._add_point(self._inc_x, self._scale)
@@ -426,7 +431,7 @@ class GPLearner(Reporting):
     def _check_mix(self) -> Decision | None:
         if len(self._counted) < self.p.mix_windows:
             return None
-        m = np.mean([w.mix() for w in list(self._counted)[-self.p.mix_windows:]], axis=0)
+        m = _pooled([w.allocs for w in list(self._counted)[-self.p.mix_windows:]])
         if self._ref_mix is None:   # the search began before any window had counts
             self._ref_mix = m
             return None
@@ -454,18 +459,20 @@ class GPLearner(Reporting):
                         self._take())
 
     def _seen_before(self) -> bool:
-        """Each of the last mix_windows counted windows is within mix_threshold
-        of some window before the current excursion from the reference. Window
-        by window, not their mean: a cycle's windows come in any phase (a
-        transition or an idle window skips one), so a mean of three may be
-        new where none of the three is."""
-        k = self.p.mix_windows
+        """Each of the last mix_windows counted windows (of those with
+        mix_min_allocs allocations) is within mix_threshold of some window
+        before the current excursion from the reference. Window by window,
+        not their mean: a cycle's windows come in any phase (a transition or
+        an idle window skips one), so a mean of three may be new where none
+        of the three is."""
+        k, least = self.p.mix_windows, self.p.mix_min_allocs
         mixes = list(self._mixes)
-        old = mixes[:max(0, len(mixes) - (self._mix_over + k - 1))]
-        if not old:
-            return False
+        old = [a / a.sum() for a in mixes[:max(0, len(mixes) - (self._mix_over + k - 1))] if a.sum() >= least]
+        recent = [a / a.sum() for a in mixes[-k:] if a.sum() >= least]
+        if not old or not recent:
+            return bool(old)
         old_m = np.vstack(old)
-        return all(float(np.abs(old_m - r).sum(axis=1).min()) <= self.p.mix_threshold for r in mixes[-k:])
+        return all(float(np.abs(old_m - r).sum(axis=1).min()) <= self.p.mix_threshold for r in recent)
 
     # -- a trial's verdict -------------------------------------------------------------
     def _judge(self) -> Decision | None:
@@ -799,6 +806,14 @@ class GPLearner(Reporting):
         z = imp / sd
         return imp * ndtr(z) + sd * np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
 
+
+
+def _pooled(allocs) -> np.ndarray:
+    """The share of allocations per class over several windows, each counted
+    by its allocations (a window of 3 weighs 3, not as much as one of 14,000)."""
+    tot = np.sum(np.vstack([np.asarray(a, dtype=float) for a in allocs]), axis=0)
+    n = float(tot.sum())
+    return tot / n if n > 0 else tot
 
 
 def _lbfgs_pausing(obj_func, initial_theta, bounds):

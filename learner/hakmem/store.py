@@ -329,12 +329,19 @@ class Store:
 
     def recent_mixes(self, program_id, limit=600) -> list[np.ndarray]:
         """Allocations per class of the program's latest raw windows that
-        allocated, oldest first (merged windows keep no mix)."""
+        allocated, oldest first (merged windows keep no mix). A damaged mix
+        (not a whole number of float32s, or not finite) is left out."""
         rows = self.db.execute(
             "SELECT w.mix FROM windows w JOIN processes p ON p.id = w.process_id "
             "WHERE p.program_id = ? AND w.mix IS NOT NULL AND w.allocs > 0 "
             "ORDER BY w.t_end DESC LIMIT ?", (program_id, int(limit))).fetchall()
-        return [np.frombuffer(r[0], dtype="<f4").astype(float) for r in reversed(rows)]
+        out = []
+        for (blob,) in reversed(rows):
+            if isinstance(blob, bytes) and len(blob) % 4 == 0:
+                a = np.frombuffer(blob, dtype="<f4").astype(float)
+                if np.isfinite(a).all():
+                    out.append(a)
+        return out
 
     def priors(self, program_id, objective) -> list[Prior]:
         """Every policy measured under this objective, pooled (for a warm start)."""

@@ -442,6 +442,11 @@ def test_recent_mixes_are_the_programs_latest_raw_windows_that_allocated_oldest_
     got = s.recent_mixes(prog)
     assert [int(np.argmax(m)) for m in got] == [1, 2, 6] and all(float(m.sum()) == 1000.0 for m in got)
     assert [int(np.argmax(m)) for m in s.recent_mixes(prog, limit=2)] == [2, 6]
+    # A damaged mix (a truncated blob, a NaN, text) is left out, the rest kept.
+    for bad in (b"\x00\x00\x80", np.full(L.NUM_CLASSES, np.nan, dtype="<f4").tobytes(), "text"):
+        s.db.execute("UPDATE windows SET mix = ? WHERE t_end = ?", (bad, NOW - 9))
+        s.db.commit()
+        assert [int(np.argmax(m)) for m in s.recent_mixes(prog)] == [1, 6]
     s.close()
 
 

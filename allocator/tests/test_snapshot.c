@@ -9,11 +9,19 @@
  * a writer that follows the protocol would see valid snapshots counted as
  * rejected, and a torn copy that happened to checksum would be applied.
  *
- * Here a writer thread follows the protocol as fast as it can, alternating
- * two valid policies whose bytes differ all along the slot, while the main
- * thread's every malloc and free is a slow path that looks at the word (a
- * thread-cache capacity of 0). Over a second or two of this, every snapshot
- * examined must be applied: none rejected, and many applied.
+ * Here a writer thread follows the protocol, alternating two valid policies
+ * whose bytes differ all along the slot, while the main thread's every malloc
+ * and free is a slow path that looks at the word (a thread-cache capacity of
+ * 0). The writer publishes in bursts of 1 to 256 versions back to back, so
+ * that what the allocator copies during a burst is rewritten under it, then
+ * waits for the allocator to look at the last one, which it copies whole and
+ * applies. The two threads run on different CPUs where there are two (on one
+ * they take turns and nothing tears). Over a second or two of this, every
+ * snapshot examined must be applied: none rejected, and many applied.
+ * Without the second look at the word a run rejects hundreds of torn copies
+ * (about 800 here, quiet or beside two busy loops); the earlier writer, which
+ * waited every second version, tore a copy about once in a thousand versions
+ * here and, once in CI, never in a whole run.
  *
  * The process under test is this program re-executed with telemetry on
  * (HAKMEM_SHM_DIR, read at start); the parent makes the directory and holds
@@ -25,6 +33,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,6 +58,25 @@ static atomic_int stop;
 static atomic_ulong published;
 #define V0 1000
 
+/* The two threads on different CPUs where this process may use two: on one
+ * CPU they take turns, and a copy is never rewritten under the reader. */
+static int cpu_pair[2] = {-1, -1};
+static void pick_cpus(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return;
+  int n = 0;
+  for (int c = 0; c < CPU_SETSIZE && n < 2; c++)
+    if (CPU_ISSET(c, &set)) cpu_pair[n++] = c;
+  if (n < 2) cpu_pair[0] = cpu_pair[1] = -1;
+}
+static void pin(pthread_t t, int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(t, sizeof set, &set);
+}
+
 static uint64_t slot_checksum(const hk_shm_policy_slot_t* s, uint64_t v) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (int i = 0; i < 8; i++) { h ^= (uint8_t)(v >> (8 * i)); h *= 0x100000001b3ull; }
@@ -62,20 +90,26 @@ static void* writer(void* arg) {
   (void)arg;
   _Atomic uint64_t* word = (_Atomic uint64_t*)&pol->version;
   _Atomic uint64_t* seen = (_Atomic uint64_t*)&hdr->seen_version;
-  for (uint32_t i = 0; i < K && !atomic_load(&stop); i++) {
-    uint64_t v = V0 + i;
-    volatile hk_shm_policy_slot_t* s = &pol->slot[v & 1];
-    const hk_shm_policy_slot_t* img = &image[(i >> 1) & 1];
-    s->version = v;
-    memcpy((void*)&s->drain_ms, &img->drain_ms, sizeof *img - offsetof(hk_shm_policy_slot_t, drain_ms));
-    s->checksum = checksums[i];
-    atomic_store_explicit(word, v, memory_order_release);
-    atomic_store(&published, i + 1);
-    /* Every second version, let the allocator catch up (briefly): it must
-     * be looking while the writer comes round to the slot it reads. */
-    if (i & 1)
-      for (int spin = 0; spin < 20000 && atomic_load_explicit(seen, memory_order_acquire) + 1 < v; spin++)
-        __asm__ volatile("pause");
+  uint32_t i = 0;
+  while (i < K && !atomic_load(&stop)) {
+    /* A burst of versions back to back: whatever the allocator copies now
+     * is rewritten under it... */
+    uint32_t burst = 1 + (uint32_t)(mix64(i) & 255);
+    uint64_t v = 0;
+    for (uint32_t b = 0; b < burst && i < K; b++, i++) {
+      v = V0 + i;
+      volatile hk_shm_policy_slot_t* s = &pol->slot[v & 1];
+      const hk_shm_policy_slot_t* img = &image[(i >> 1) & 1];
+      s->version = v;
+      memcpy((void*)&s->drain_ms, &img->drain_ms, sizeof *img - offsetof(hk_shm_policy_slot_t, drain_ms));
+      s->checksum = checksums[i];
+      atomic_store_explicit(word, v, memory_order_release);
+    }
+    atomic_store(&published, i);
+    /* ...then a pause until it has looked at the last one, which it copies
+     * whole and applies. */
+    for (int spin = 0; spin < 50000 && atomic_load_explicit(seen, memory_order_acquire) < v; spin++)
+      __asm__ volatile("pause");
   }
   return NULL;
 }
@@ -122,8 +156,11 @@ static int child(void) {
   hk_stats_t s0, s1;
   hk_stats_get(&s0);
   uint64_t rejected0 = hdr->rejected;
+  pick_cpus();
+  pin(pthread_self(), cpu_pair[0]);
   pthread_t w;
   if (pthread_create(&w, NULL, writer, NULL) != 0) return 8;
+  pin(w, cpu_pair[1]);
   t0 = now_s();
   long calls = 0;
   while (now_s() - t0 < 1.5 && atomic_load(&published) < K) {
@@ -137,9 +174,9 @@ static int child(void) {
   uint64_t rejected = hdr->rejected - rejected0;
   uint64_t applied = s1.policy_version - s0.policy_version;
   harness_say("child: %lu snapshots published, policy version +%llu, %llu rejected (reason %u, counter +%llu), "
-              "%ld slow-path calls\n", atomic_load(&published), (unsigned long long)applied,
+              "%ld slow-path calls, CPUs %d and %d\n", atomic_load(&published), (unsigned long long)applied,
               (unsigned long long)rejected, hdr->reject_reason,
-              (unsigned long long)(s1.policies_rejected - s0.policies_rejected), calls);
+              (unsigned long long)(s1.policies_rejected - s0.policies_rejected), calls, cpu_pair[0], cpu_pair[1]);
   harness_say(rejected == 0 && applied >= 1000 ? "child: ok\n" : "child: FAILED\n");
   return rejected == 0 && applied >= 1000 ? 0 : 1;
 }

@@ -16,7 +16,7 @@ from ..knobs import Knobs
 from ..learning import Context, Decision, Evaluation, Prior, Window, digest, same
 from ..objective import format_size
 from .base import pause
-from .paired import Block, Paired, choose_block
+from .paired import Block, Paired, choose_block, measured_prior
 from .base import Reporting, _active, _Meter, _mean_windows, _pct, _push, _rate, _Run, _start_decision
 from .space import PolicySpace
 
@@ -84,6 +84,7 @@ class GPParams:
     # runner-up.
     max_ties: int = 1
     ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
+    cpu_tolerance: float = 0.01     # what a screened candidate may add to the cost measured from the program's CPU (paired.py)
 
     def __post_init__(self):
         object.__setattr__(self, "warmup_windows", max(2, self.warmup_windows))
@@ -245,7 +246,7 @@ class GPLearner(Reporting):
         # mix and the hot classes.
         self._idle = not w.busy
         counted = _active(w)
-        raw = (float(w.time_cost), float(w.mem_cost), float(np.sum(w.allocs)) if counted else 0.0)
+        raw = (float(w.time_cost), float(w.mem_cost), float(np.sum(w.allocs)) if counted else 0.0, float(w.cpu))
         if counted:
             self._work.append(float(np.sum(w.allocs)))
             w = self._per_work(w)
@@ -358,7 +359,7 @@ class GPLearner(Reporting):
         self._trial: _Run | None = None
         self._ab: Paired | None = None        # the screened trial's A/B test (paired.py)
         self._block: Block | None = None      # its block, chosen once per search from the incumbent's windows
-        self._inc_raw: collections.deque = collections.deque(maxlen=16)   # those windows: (time, mem, allocs)
+        self._inc_raw: collections.deque = collections.deque(maxlen=16)   # those windows: (time, mem, allocs, cpu)
         self._inc_x: np.ndarray | None = None
         self._inc_costs: collections.deque[float] = collections.deque(maxlen=10)
         self._inc_run = _Run(self._inc)       # incumbent windows not reported yet
@@ -634,7 +635,9 @@ class GPLearner(Reporting):
                 # back, and a clear winner is taken on it (paired.py).
                 pairs = self.p.tie_pairs if self._screen_won else self.p.ab_pairs
                 self._ab = Paired(c.knobs, self._inc, self._block, ref=ref, max_pairs=pairs,
-                                  margin=self.p.min_margin, abort=self.p.ab_abort, first="I")
+                                  margin=self.p.min_margin, abort=self.p.ab_abort, first="I",
+                                  measured_prior=measured_prior(self._inc_raw, self._block.windows, ref),
+                                  cpu_tolerance=self.p.cpu_tolerance)
                 parts = self._space.describe(c.knobs, self._inc) or ["a policy outside the search's dimensions"]
                 n = self._block.windows
                 return Decision(self._inc, "explore", f"explore {', '.join(parts)} [screened; {c.why}; A/B against "

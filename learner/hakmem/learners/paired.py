@@ -52,6 +52,40 @@ THE TEST
     the last ones through the seconds the run is judged on.
   - No verdict after `max_pairs`: rejected, within the noise.
 
+THE PROGRAM'S OWN CPU
+The cost above is the allocator's: its slow paths timed, its page faults and
+OS calls at prices calibrated on a quiet page. A policy can cost a program
+more than that: on sqlite3 (bench/learn_real.py, 2-minute rounds at 8ae5090)
+drain=100 ran 53,000 faults a second where the default ran 3,000, which the
+allocator's cost priced at 0.08 of a core and set against 170 MiB given back,
+-10.6% in all; the program itself did 11% fewer allocations a second on the
+same core (17% less throughput from outside) for the 30 seconds its six pairs
+took. A fault taken in the middle of a program's work costs it more than one
+taken in a loop that only faults (cache lines zeroed, evicted, refetched).
+So each window also brings the program's CPU time (cores, /proc), and each
+block is also priced as the objective would price it from outside: the
+program's whole CPU per allocation at its usual allocation rate, in place of
+the allocator's estimate of its own time, plus the memory's price. Allocations
+per unit of the program's work do not depend on the allocator's policy, so
+CPU per allocation is CPU per unit of work, saturated or not (on one full
+core a slower program makes fewer allocations; under a fixed load it spends
+more CPU on them). For sqlite3's drain=100 that is +12% CPU per allocation
+and, at lambda 0.5/GiB, +3.4% in all, where the allocator's cost said -10.6%.
+  - A trial stops at once (rolled back) when the candidate's measured cost
+    is above the incumbent's by more than `cpu_tolerance` (1%) with 95%
+    confidence, one-sided, after any pair: the variance pooled, as the
+    allocator cost's is, with what the incumbent's own blocks before the
+    trial say (`measured_prior`).
+  - A candidate the allocator's cost accepts is taken only when its measured
+    cost is not above the incumbent's by more than the tolerance (the pairs'
+    mean); otherwise the trial goes on, and with no pair left it is rejected.
+The measured cost is the noisier (the program's own work varies from block
+to block, the allocator's share of it little), so it guards and the
+allocator's cost decides. A trade of CPU for memory that the objective's price
+of memory pays for passes the guard; one it does not pay for does not.
+Without CPU readings (windows that give none, a program that allocates
+nothing) the trial is judged on the allocator's cost alone.
+
 What a switch back costs is not the candidate's: the incumbent's block after
 a candidate that released memory starts with less resident (its caches refill
 within the block), so the test leans towards the incumbent, never away. The
@@ -80,6 +114,12 @@ FIRST_PAIR_GAIN = 0.10
 _TQ = {1: 38.19, 2: 7.649, 3: 4.857, 4: 3.961, 5: 3.534, 6: 3.287, 7: 3.128, 8: 3.016, 9: 2.933,
        10: 2.870, 12: 2.779, 14: 2.718, 16: 2.673, 18: 2.639, 20: 2.613, 25: 2.566, 30: 2.536,
        40: 2.499, 60: 2.463, 120: 2.428}
+
+
+# One-sided Student t quantiles at 95% (scipy.stats.t.ppf(0.95, df)): the
+# CPU guard's stop, which may only end a trial early, never take a candidate.
+_TQ95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833,
+         10: 1.812, 12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697, 60: 1.671, 120: 1.658}
 
 
 def t_crit(df: int) -> float:
@@ -115,6 +155,40 @@ def block_cost(ws, ref: float | None = None) -> float:
     return max(time + sum(m) / n, 1e-300)
 
 
+def cpu_per_alloc(ws) -> float | None:
+    """A block's program CPU per allocation from its windows (time, mem,
+    allocs, cpu); None where they carry no CPU reading or no allocation."""
+    ws = [w for w in ws if not isinstance(w, (int, float)) and len(w) > 3]
+    cpu, allocs = sum(w[3] for w in ws), sum(w[2] for w in ws)
+    return cpu / allocs if cpu > 0 and allocs > 0 else None
+
+
+def measured_cost(ws, ref: float | None) -> float | None:
+    """A block's cost with the program's own CPU in place of the allocator's
+    time: CPU per allocation at the usual rate ref, plus the mean memory
+    cost (without ref: CPU per allocation alone); None without readings."""
+    c = cpu_per_alloc(ws)
+    if c is None:
+        return None
+    if not ref:
+        return c
+    return c * ref + sum(w[1] for w in ws) / len(ws)
+
+
+def measured_prior(windows, k: int, ref: float | None) -> Block:
+    """What the incumbent's own blocks of k windows say of the noise of the
+    measured cost: its relative variance between blocks, with degrees of
+    freedom (0: fewer than three blocks with readings)."""
+    ws = list(windows)
+    k = max(1, int(k))
+    n = len(ws) // k
+    tail = ws[len(ws) - n * k:]
+    v = np.asarray([x for x in (measured_cost(tail[i * k:(i + 1) * k], ref) for i in range(n)) if x is not None])
+    if len(v) < 3:
+        return Block(k)
+    return Block(k, float(np.var(np.log(v), ddof=1)), len(v) - 1)
+
+
 def choose_block(windows, ref: float | None = None, choices=(1, 2, 3), gain=0.1, min_blocks=4) -> Block:
     """The block length (windows) whose costs vary least per window spent,
     from consecutive windows of one policy (block_cost's forms). A block of
@@ -147,7 +221,8 @@ class Paired:
 
     def __init__(self, cand, inc, block: Block | int = 1, *, ref: float | None = None, max_pairs: int = 6,
                  margin: float = 0.005, abort: float = 0.5, sd_floor: float = 0.01, first: str = "C",
-                 futile_after: int | None = 2):
+                 futile_after: int | None = 2, measured_prior: Block | None = None,
+                 cpu_tolerance: float = 0.01):
         self.cand, self.inc, self.ref = cand, inc, ref
         if first not in ("C", "I"):
             raise ValueError(f"first: 'C' or 'I', not {first!r}")
@@ -161,6 +236,15 @@ class Paired:
         self.margin, self.abort, self.sd_floor = margin, abort, sd_floor
         self.futile_after = futile_after
         self.pairs: list[tuple[float, float]] = []     # (C cost, I cost), block_cost of each side
+        # Of the same blocks where both have CPU readings: (C, I) program CPU
+        # per allocation, and (C, I) measured cost (measured_cost)
+        self.cpu_pairs: list[tuple[float, float]] = []
+        self.measured_pairs: list[tuple[float, float]] = []
+        mp = measured_prior or Block()
+        self.m_prior_var, self.m_prior_df = mp.rel_var, mp.df
+        self.cpu_tolerance = cpu_tolerance
+        self.m_t = 0.0
+        self.why = ""               # what decided, when the program's CPU did
         self._cur: dict[str, list] = {"C": [], "I": []}
         self._blocks = 0            # blocks finished
         self._n = 0                 # windows in the current block
@@ -199,9 +283,14 @@ class Paired:
         self._blocks += 1
         if self._blocks % 2 == 0:
             c, i = block_cost(self._cur["C"], self.ref), block_cost(self._cur["I"], self.ref)
+            cc, ci = cpu_per_alloc(self._cur["C"]), cpu_per_alloc(self._cur["I"])
+            if cc is not None and ci is not None:
+                self.cpu_pairs.append((cc, ci))
+                self.measured_pairs.append((measured_cost(self._cur["C"], self.ref),
+                                            measured_cost(self._cur["I"], self.ref)))
             self._cur = {"C": [], "I": []}
             self.pairs.append((c, i))
-            v = self._verdict()
+            v = self._measured_stop() or self._verdict()
             if v:
                 return v
         return "same" if self.side == was else "switch"
@@ -226,6 +315,8 @@ class Paired:
         if n == 1 and m > -math.log1p(FIRST_PAIR_GAIN):
             return "rolled_back" if self.t > crit else None
         if self.t < -crit and m < -math.log1p(self.margin):
+            if not self._measured_allows():
+                return "rejected" if n >= self.max_pairs else None
             return "accepted"
         if self.t > crit:
             return "rolled_back"
@@ -233,7 +324,56 @@ class Paired:
             return "rejected"
         return None
 
+    @staticmethod
+    def _rel(pairs) -> float | None:
+        return math.expm1(float(np.mean([math.log(c / i) for c, i in pairs]))) if pairs else None
+
+    @property
+    def cpu_relative(self) -> float | None:
+        """The candidate's program CPU per allocation relative to the
+        incumbent's, from the pairs with readings; None without any."""
+        return self._rel(self.cpu_pairs)
+
+    @property
+    def measured_relative(self) -> float | None:
+        """The candidate's measured cost relative to the incumbent's."""
+        return self._rel(self.measured_pairs)
+
+    def _measured(self) -> str:
+        return (f"the program's own CPU per allocation {_pct(self.cpu_relative)}, "
+                f"its cost so measured {_pct(self.measured_relative)} vs incumbent")
+
+    def _measured_stop(self) -> str | None:
+        """Rolled back when the measured cost is above the incumbent's by
+        more than the tolerance, with 95% confidence."""
+        d = np.asarray([math.log(c / i) for c, i in self.measured_pairs])
+        n = len(d)
+        df = n - 1 + self.m_prior_df
+        if n == 0 or df < 1:
+            return None
+        own = (n - 1) * float(d.var(ddof=1)) if n > 1 else 0.0
+        var = (own + self.m_prior_df * self.m_prior_var) / df
+        se = max(math.sqrt(var), self.sd_floor) / math.sqrt(n)
+        over = float(d.mean()) - math.log1p(self.cpu_tolerance)
+        self.m_t = over / se
+        if over > 0 and self.m_t > _TQ95[max(k for k in _TQ95 if k <= df)]:
+            self.why = f"{self._measured()} (more than {self.cpu_tolerance:.0%} beyond its noise, t {self.m_t:+.1f})"
+            return "rolled_back"
+        return None
+
+    def _measured_allows(self) -> bool:
+        r = self.measured_relative
+        if r is None or r <= self.cpu_tolerance:
+            self.why = ""
+            return True
+        self.why = f"{self._measured()}, above the {self.cpu_tolerance:.0%} allowed"
+        return False
+
     def describe(self) -> str:
         n = len(self.pairs)
-        return (f"cost {_pct(self.relative)} vs incumbent over {n} A/B pair{'s' if n != 1 else ''} "
-                f"of {self.block} window{'s' if self.block != 1 else ''} (t {self.t:+.1f})")
+        s = (f"cost {_pct(self.relative)} vs incumbent over {n} A/B pair{'s' if n != 1 else ''} "
+             f"of {self.block} window{'s' if self.block != 1 else ''} (t {self.t:+.1f})")
+        if self.why:
+            return f"{s}; {self.why}"
+        return s if not self.measured_pairs else f"{s}; {self._measured()}"
+

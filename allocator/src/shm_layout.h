@@ -11,7 +11,7 @@
 #define HK_SHM_MAGIC          0x3130474e49524b48ull  /* "HKRING01" little-endian */
 #define HK_SHM_LAYOUT_VERSION 5u
 #define HK_SHM_NUM_CLASSES    61u
-#define HK_SHM_RING_SLOTS     128u
+#define HK_SHM_RING_SLOTS     16u
 #define HK_SHM_HEADER_SIZE    4096u
 #define HK_VERSION_STRING     "0.2.0"  /* the release (hakmem_version) */
 

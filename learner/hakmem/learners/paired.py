@@ -182,15 +182,19 @@ def measured_cost(ws, ref: float | None) -> float | None:
     return c * ref + sum(w[1] for w in ws) / len(ws)
 
 
+def _blocks(ws: list, k: int) -> list[list]:
+    """The newest whole blocks of k consecutive windows, oldest first."""
+    n = len(ws) // k
+    tail = ws[len(ws) - n * k:]
+    return [tail[i * k:(i + 1) * k] for i in range(n)]
+
+
 def measured_prior(windows, k: int, ref: float | None) -> Block:
     """What the incumbent's own blocks of k windows say of the noise of the
     measured cost: its relative variance between blocks, with degrees of
     freedom (0: fewer than three blocks with readings)."""
-    ws = list(windows)
     k = max(1, int(k))
-    n = len(ws) // k
-    tail = ws[len(ws) - n * k:]
-    v = np.asarray([x for x in (measured_cost(tail[i * k:(i + 1) * k], ref) for i in range(n)) if x is not None])
+    v = np.asarray([x for x in (measured_cost(b, ref) for b in _blocks(list(windows), k)) if x is not None])
     if len(v) < 3:
         return Block(k)
     return Block(k, float(np.var(np.log(v), ddof=1)), len(v) - 1)
@@ -207,16 +211,34 @@ def choose_block(windows, ref: float | None = None, choices=(1, 2, 3), gain=0.1,
     ws = list(windows)
     best, best_score = Block(), None
     for k in choices:
-        n = len(ws) // k
-        if n < min_blocks:
+        blocks = _blocks(ws, k)
+        if len(blocks) < min_blocks:
             break
-        tail = ws[len(ws) - n * k:]
-        costs = np.asarray([block_cost(tail[i * k:(i + 1) * k], ref) for i in range(n)])
+        costs = np.asarray([block_cost(b, ref) for b in blocks])
         v = float(np.var(costs, ddof=1)) / float(np.mean(costs)) ** 2
         score = (k + 0.5) * v
         if best_score is None or score < gain * best_score:
-            best, best_score = Block(k, v, n - 1), score
+            best, best_score = Block(k, v, len(blocks) - 1), score
     return best
+
+
+def _logs(pairs) -> np.ndarray:
+    return np.asarray([math.log(c / i) for c, i in pairs])
+
+
+def pooled_se(d: np.ndarray, prior_var: float, prior_df: int, floor: float) -> tuple[float, int]:
+    """The standard error of the mean of d (logs of pairs' ratios) and its
+    degrees of freedom: the pairs' own spread pooled with what the
+    incumbent's blocks said before the trial (their degrees of freedom
+    added: two pairs alone say little of the noise), floored at `floor`:
+    pairs that agree by chance claim no certainty. df 0: nothing to go on."""
+    n = len(d)
+    df = n - 1 + prior_df
+    if n == 0 or df < 1:
+        return math.inf, max(df, 0)
+    own = (n - 1) * float(d.var(ddof=1)) if n > 1 else 0.0
+    var = (own + prior_df * prior_var) / df
+    return max(math.sqrt(var), floor) / math.sqrt(n), df
 
 
 class Paired:
@@ -271,7 +293,7 @@ class Paired:
 
     @property
     def diffs(self) -> list[float]:
-        return [math.log(c / i) for c, i in self.pairs]
+        return list(_logs(self.pairs))
 
     @property
     def relative(self) -> float:
@@ -311,12 +333,7 @@ class Paired:
             if self.first != "I" or self.prior_df < MIN_PRIOR_DF:
                 return None
         m = float(d.mean())
-        # The pairs' own spread pooled with the incumbent's (their degrees of
-        # freedom added): two pairs alone say little of the noise.
-        df = n - 1 + self.prior_df
-        own = (n - 1) * float(d.var(ddof=1)) if n > 1 else 0.0
-        var = (own + self.prior_df * self.prior_var) / df
-        se = max(math.sqrt(var), self.sd_floor) / math.sqrt(n)
+        se, df = pooled_se(d, self.prior_var, self.prior_df, self.sd_floor)
         self.t = m / se
         crit = t_crit(df)
         if n == 1 and m > -math.log1p(FIRST_PAIR_GAIN):
@@ -333,7 +350,7 @@ class Paired:
 
     @staticmethod
     def _rel(pairs) -> float | None:
-        return math.expm1(float(np.mean([math.log(c / i) for c, i in pairs]))) if pairs else None
+        return math.expm1(float(np.mean(_logs(pairs)))) if pairs else None
 
     @property
     def cpu_relative(self) -> float | None:
@@ -353,15 +370,11 @@ class Paired:
     def _measured_stop(self) -> str | None:
         """Rolled back when the measured cost is above the incumbent's by
         more than the tolerance, with 95% confidence."""
-        d = np.asarray([math.log(c / i) for c, i in self.measured_pairs])
-        n = len(d)
-        df = n - 1 + self.m_prior_df
+        d = _logs(self.measured_pairs)
+        se, df = pooled_se(d, self.m_prior_var, self.m_prior_df, self.sd_floor)
         self.m_t = None
-        if n == 0 or df < 1:
+        if df < 1 or not len(d):
             return None
-        own = (n - 1) * float(d.var(ddof=1)) if n > 1 else 0.0
-        var = (own + self.m_prior_df * self.m_prior_var) / df
-        se = max(math.sqrt(var), self.sd_floor) / math.sqrt(n)
         over = float(d.mean()) - math.log1p(self.cpu_tolerance)
         self.m_t = over / se
         if over > 0 and self.m_t > _TQ95[max(k for k in _TQ95 if k <= df)]:

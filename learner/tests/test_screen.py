@@ -479,6 +479,74 @@ def test_replays_run_side_by_side_as_far_as_memory_holds_them(monkeypatch):
     assert Screen(make_ctx(), "/x", None, None, jobs=4).jobs_for(17) == 4
 
 
+def test_replays_at_once_fault_at_most_a_quarter_of_a_cpu_at_the_default_replays_rate(monkeypatch):
+    """A busy program's default replay, run first and alone, says how fast a
+    replay of its trace faults pages: the rest run as many at once as fault
+    FAULT_SHARE of one CPU at the calibrated price (sqlite3: 16 at once,
+    a million faults in 5 s, and its allocations fell to nothing for a
+    second; screen.FAULT_SHARE). Its peak, measured, replaces the traced
+    process's RSS in the memory bound."""
+    import types
+    import hakmem.screen as S
+    monkeypatch.setattr(S, "_mem_available", lambda: 24 << 30)
+    s = Screen(make_ctx(), "/nonexistent", None, types.SimpleNamespace(fault_s=1.4e-6), jobs=24)
+    s.rss_bytes = 275 << 20
+    sqlite3 = types.SimpleNamespace(peak_rss_bytes=195 << 20, minflt=61325, wall_s=1.61)
+    assert s.jobs_for(16) == 16                      # no replay measured: memory alone (6 GiB / 307 MiB)
+    assert s.jobs_for(15, sqlite3) == 4              # 38,000 faults a second each: 0.053 of a CPU
+    quiet = types.SimpleNamespace(peak_rss_bytes=20 << 20, minflt=2000, wall_s=2.0)
+    assert s.jobs_for(15, quiet) == 15               # 0.0014 of a CPU each: all at once
+    huge = types.SimpleNamespace(peak_rss_bytes=4 << 30, minflt=2000, wall_s=2.0)
+    assert s.jobs_for(15, huge) == 1                 # its measured 4 GiB peak, not the 275 MiB RSS
+    storm = types.SimpleNamespace(peak_rss_bytes=1 << 20, minflt=10 ** 7, wall_s=1.0)
+    assert s.jobs_for(15, storm) == 1                # never none
+    assert Screen(make_ctx(), "/x", None, None, jobs=24).jobs_for(15, sqlite3) == 9   # uncalibrated: 0.7 us
+
+
+def test_a_busy_programs_default_replay_runs_alone_first_and_bounds_the_rest(tmp_path, monkeypatch):
+    import threading
+    import time as _time
+    import hakmem.replay as R
+    import hakmem.screen as S
+    trace = tmp_path / "t.trace"
+    trace.write_bytes(b"x")
+    ctx = make_ctx()
+    facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
+                         class_size=list(ctx.class_size), duration_s=1.0,
+                         allocs=__import__("numpy").zeros(len(ctx.class_size)), events=10, mode="full")
+    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False, on_progress=None: facts)
+    monkeypatch.setattr(S, "STAGGER_S", 0.0)
+    monkeypatch.setattr(S, "_mem_available", lambda: 24 << 30)
+    pol = [("default", ctx.default)] + [(f"d{ms}", ctx.clamp(ctx.default.replace(drain_ms=ms)))
+                                        for ms in (10, 20, 50, 100, 200, 500)]
+    monkeypatch.setattr(S, "policies", lambda ctx, hot: pol)
+    from hakmem.objective import Objective, Prices
+    for minflt, want in ((100_000, 2), (10, 6)):     # 0.1 of a CPU each: 2 at once; next to nothing: all 6
+        lock = threading.Lock()
+        inflight, most, order = [0], [0], []
+
+        def fake_run(path, knobs, **kw):
+            with lock:
+                inflight[0] += 1
+                most[0] = max(most[0], inflight[0])
+                order.append((knobs.get("drain_ms"), inflight[0]))
+            _time.sleep(0.1)
+            with lock:
+                inflight[0] -= 1
+            return {"runs": [{"counters": {"slow_ns": 1e6}, "minflt": minflt, "os_calls": 1, "cpu_s": 0.01,
+                              "wall_s": 1.0, "peak_rss_bytes": 1 << 20, "mean_rss_bytes": 1 << 20}],
+                    "policy": {}}
+        monkeypatch.setattr(R, "run_replayer", fake_run)
+        s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices(fault_s=1e-6, syscall_s=1e-6))
+        s.trace_fd, s.uid = os.open(trace, os.O_RDONLY), os.geteuid()
+        ranked_ = s._replay_all()
+        assert len(ranked_) == 7
+        assert order[0] == (ctx.default.drain_ms, 1), order            # the default first, alone
+        assert order[1][1] == 1, order                                   # the next only once it ended
+        assert most[0] == want and s.jobs_run == want, (most[0], s.jobs_run)
+        assert f"the default first, the rest {want} at once" in s.describe(ranked_)
+
+
 def test_screening_ranks_by_counted_faults_and_memory_not_by_replay_cpu_time(tmp_path, monkeypatch):
     """Side by side, a replay's CPU time is what the replays beside it did
     at the same moment: bench-learn's phases, 17 replays at once, spent 0.06

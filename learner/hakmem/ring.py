@@ -307,8 +307,18 @@ class Ring:
         return self._read_u64(self.policy_offset + L.offset_of("policy_area", "version"))
 
     def status(self):
+        # seen_version first, on its own: the allocator stores it after the
+        # outcome (applied_version or the rejection), so an outcome read
+        # after it is at least as new. Read in one copy of the header, the
+        # outcome (offset 88) came before seen_version (96), and a copy the
+        # allocator overtook between the two said "seen, not applied" of a
+        # policy it applied: bench-learn's burst best-static run failed so
+        # (seen_version 1, applied_version 0, nothing rejected).
+        seen = self._read_u64(L.offset_of("header", "seen_version"))
         h = self.header()
-        return {k: h[k] for k in ("applied_version", "seen_version", "rejected", "reject_reason")}
+        out = {k: h[k] for k in ("applied_version", "rejected", "reject_reason")}
+        out["seen_version"] = seen
+        return out
 
     def check_policy(self, pol):
         """Raises RingError naming the first value out of the bounds this

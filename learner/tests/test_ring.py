@@ -283,6 +283,49 @@ def test_an_idle_process_takes_policies_and_keeps_publishing(shm):
         p.wait(timeout=scaled(30))
 
 
+def test_a_status_read_while_the_allocator_answers_never_says_seen_but_not_applied(shm):
+    """The allocator stores a snapshot's outcome (applied_version, or the
+    rejection) and then seen_version. A reader that copied the header in one
+    read took applied_version (offset 88) before seen_version (96): when
+    the allocator's two stores fell between those loads, the copy said
+    "seen, not applied" of a policy that was applied, and bench-learn's
+    burst best-static run failed on it. Here every read that reaches
+    seen_version is the moment the allocator answers: the bytes before 96
+    of that read are from before, the rest from after."""
+    p = start(["idle", 1.5, scaled(30)], shm, HAKMEM_TELEMETRY_MS=100)
+    try:
+        path = ring_path(shm, p.pid)
+        assert json.loads(p.stdout.readline())["mode"] == "idle-start"
+        with Ring(str(path), writable=True) as ring:
+            v = ring.write_policy(ring.policy_in_force())
+            ok, st = ring.wait_applied(v, timeout=scaled(5))
+            assert ok, st
+            after = ring.read(0, L.HEADER_SIZE)
+            before = bytearray(after)
+            for name in ("applied_version", "seen_version"):
+                o = L.offset_of("header", name)
+                before[o:o + 8] = (v - 1).to_bytes(8, "little")
+            seen_at = L.offset_of("header", "seen_version")
+            answered = [False]
+
+            def read(offset, n):
+                if answered[0]:
+                    return after[offset:offset + n]
+                if offset + n <= seen_at:
+                    return bytes(before[offset:offset + n])
+                answered[0] = True      # the allocator answers while this read is under way
+                cut = max(seen_at, offset)
+                return bytes(before[offset:cut]) + after[cut:offset + n]
+            ring.read = read
+            st = ring.status()
+            assert st["seen_version"] < v or st["applied_version"] == v, st
+            answered[0] = False
+            assert ring.wait_applied(v, timeout=1.0) == (True, ring.status())
+    finally:
+        p.kill()
+        p.wait(timeout=scaled(30))
+
+
 # ---- the reader facing bad files ---------------------------------------------
 def one_line_error(path, expect):
     r = run_cli("ring", "dump", path)

@@ -479,6 +479,19 @@ def test_replays_run_side_by_side_as_far_as_memory_holds_them(monkeypatch):
     assert Screen(make_ctx(), "/x", None, None, jobs=4).jobs_for(17) == 4
 
 
+def _fake_trace(tmp_path, ctx, monkeypatch, duration_s):
+    """A trace file whose facts are given (the replays are faked too)."""
+    import numpy as np
+    import hakmem.replay as R
+    trace = tmp_path / "t.trace"
+    trace.write_bytes(b"x")
+    facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
+                         class_size=list(ctx.class_size), duration_s=duration_s,
+                         allocs=np.zeros(len(ctx.class_size)), events=10, mode="full")
+    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False, on_progress=None: facts)
+    return trace
+
+
 def test_replays_at_once_fault_at_most_a_quarter_of_a_cpu_at_the_default_replays_rate(monkeypatch):
     """A busy program's default replay, run first and alone, says how fast a
     replay of its trace faults pages: the rest run as many at once as fault
@@ -508,13 +521,8 @@ def test_a_busy_programs_default_replay_runs_alone_first_and_bounds_the_rest(tmp
     import time as _time
     import hakmem.replay as R
     import hakmem.screen as S
-    trace = tmp_path / "t.trace"
-    trace.write_bytes(b"x")
     ctx = make_ctx()
-    facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
-                         class_size=list(ctx.class_size), duration_s=1.0,
-                         allocs=__import__("numpy").zeros(len(ctx.class_size)), events=10, mode="full")
-    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False, on_progress=None: facts)
+    trace = _fake_trace(tmp_path, ctx, monkeypatch, 1.0)
     monkeypatch.setattr(S, "STAGGER_S", 0.0)
     monkeypatch.setattr(S, "_mem_available", lambda: 24 << 30)
     pol = [("default", ctx.default)] + [(f"d{ms}", ctx.clamp(ctx.default.replace(drain_ms=ms)))
@@ -626,13 +634,8 @@ def test_an_intermittent_programs_replays_run_on_half_the_cpus_and_a_busy_ones_o
     import hakmem.replay as R
     import hakmem.screen as S
     mine = os.sched_getaffinity(0)
-    trace = tmp_path / "t.trace"
-    trace.write_bytes(b"x")
     ctx = make_ctx()
-    facts = R.TraceFacts(path=str(trace), hash="h", exe="/bin/x", build_id="", uid=os.geteuid(),
-                         class_size=list(ctx.class_size), duration_s=2.0,
-                         allocs=__import__("numpy").zeros(len(ctx.class_size)), events=10, mode="full")
-    monkeypatch.setattr(R, "trace_facts", lambda path, partial=False, on_progress=None: facts)
+    trace = _fake_trace(tmp_path, ctx, monkeypatch, 2.0)
     seen = []
 
     def fake_run(path, knobs, **kw):

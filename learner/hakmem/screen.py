@@ -583,12 +583,17 @@ class Screen:
             gate.count_from(time.monotonic())
             cpus = self.cpus = replay_cpus()
 
+        t0 = [time.monotonic()]
+
         def one(item):
             i, (label, k) = item
             # Started in step, every replay would take a bursty trace's bursts
             # at the same moment, and 17 processes faulting 64 MiB at once on
             # 2 cores wait on each other in the kernel's locks and for a CPU.
-            if self._stop.wait(i * STAGGER_S):
+            # Replay i starts STAGGER_S * i after the first of the pool, not
+            # after a worker came free: with fewer workers than replays the
+            # waits added up (4 at once: 3 s of sleep before the 13th).
+            if self._stop.wait(max(0.0, t0[0] + i * STAGGER_S - time.monotonic())):
                 raise R.ReplayStopped(f"{self.label}: replays stopped")
             # The replays are learnd's errand, not the program's: at nice 19
             # they take the CPUs the program leaves. The replayer sets its
@@ -614,6 +619,7 @@ class Screen:
         else:
             rest = pol
         jobs = self.jobs_run = self.jobs_for(len(rest), first[2] if first else None)
+        t0[0] = time.monotonic()
         with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
             done = ([first] if first else []) + list(ex.map(one, enumerate(rest)))
         # Ranked in learnd's own units (replay.run_cost): the same prices as

@@ -583,7 +583,7 @@ class Screen:
             gate.count_from(time.monotonic())
             cpus = self.cpus = replay_cpus()
 
-        t0 = [time.monotonic()]
+        t0 = time.monotonic()   # rebound below, before the pool: one() reads it then
 
         def one(item):
             i, (label, k) = item
@@ -593,7 +593,7 @@ class Screen:
             # Replay i starts STAGGER_S * i after the first of the pool, not
             # after a worker came free: with fewer workers than replays the
             # waits added up (4 at once: 3 s of sleep before the 13th).
-            if self._stop.wait(max(0.0, t0[0] + i * STAGGER_S - time.monotonic())):
+            if self._stop.wait(max(0.0, t0 + i * STAGGER_S - time.monotonic())):
                 raise R.ReplayStopped(f"{self.label}: replays stopped")
             # The replays are learnd's errand, not the program's: at nice 19
             # they take the CPUs the program leaves. The replayer sets its
@@ -605,8 +605,6 @@ class Screen:
                                  timeout=REPLAY_TIMEOUT_S, user=user, gate=gate_fd if gate else None,
                                  runner=self.runner, label=self.label, nice=REPLAY_NICE, cpus=cpus)
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
-        # The gate is closed in _cleanup, with the rest of the screening's
-        # state, on every way out.
         # A busy program's default replay goes first, alone: how fast a
         # replay of this trace faults pages bounds how many run at once
         # (FAULT_SHARE). An intermittent program's replays wait at the gate
@@ -619,7 +617,9 @@ class Screen:
         else:
             rest = pol
         jobs = self.jobs_run = self.jobs_for(len(rest), first[2] if first else None)
-        t0[0] = time.monotonic()
+        t0 = time.monotonic()
+        # The gate is closed in _cleanup, with the rest of the screening's
+        # state, on every way out.
         with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
             done = ([first] if first else []) + list(ex.map(one, enumerate(rest)))
         # Ranked in learnd's own units (replay.run_cost): the same prices as
@@ -635,8 +635,8 @@ class Screen:
         times the trace), at most `jobs`; no more than MEM_SHARE of
         MemAvailable holds, each counted as the default's replay peaked
         (probe, a replay.Result) or else as the traced process's RSS and
-        REPLAY_OVERHEAD; and no more than fault FAULT_SHARE of a CPU's time
-        in pages at once, each at the probe's rate."""
+        REPLAY_OVERHEAD; and together faulting pages for no more than
+        FAULT_SHARE of one CPU's time, each at the probe's rate."""
         k = max(1, min(n, self.jobs))
         each = self.rss_bytes + REPLAY_OVERHEAD
         if probe is not None and probe.peak_rss_bytes > 0:

@@ -412,6 +412,9 @@ HK_NOINLINE void _hk_free_slow(void* p) {
   hk_bin_t* bin = &_hk_tc.bin[cls];
   if (bin->room < 0) bin->room++;
   HK_ASSERT(bin->room >= 0);
+  /* Trapped by a new policy or a malloc_trim (thread.c "reaching every
+   * thread"): the limits back, and tcache_slow takes up what came. */
+  if (HK_UNLIKELY(__atomic_load_n(&bin->limit, __ATOMIC_RELAXED) == 0)) _hk_untrap_if_trapped(&_hk_tc);
   if (HK_UNLIKELY(_hk_trace_on || _hk_trace_tls.trapped)) { free_traced(p, seg, page, cls); return; }
   free_small(tcache_slow(), p, seg, page, cls);
 }
@@ -665,6 +668,7 @@ HK_EXPORT int mallopt(int param, int value) { return 1; }
 HK_EXPORT int malloc_trim(size_t pad) {
   if (!_hk_initialized) return 0;
   hk_add_relaxed(&trim_epoch, 1);
+  _hk_threads_trap();   /* the other threads flush at their next free */
   hk_thread_flush();
   _hk_tc.trim_epoch = hk_load_relaxed(&trim_epoch);
   bool any = _hk_trim_warm();

@@ -301,6 +301,8 @@ void        _hk_registry_unlock(void);
 void        _hk_registry_sum(uint64_t* allocs, uint64_t* cached_blocks);
 void        _hk_publish(hk_tcache_t* tc, unsigned cls);   /* bin counters -> record */
 void        _hk_publish_all(hk_tcache_t* tc);
+void        _hk_threads_trap(void);      /* every live thread's next free takes the slow path */
+void        _hk_untrap_if_trapped(hk_tcache_t* tc);   /* that slow path: the limits back */
 /* stats.c */
 void _hk_stats_collect(hk_stats_t* out);
 void _hk_stats_print_snapshot(int fd, const hk_stats_t* st);

@@ -319,6 +319,7 @@ HK_EXPORT uint64_t hk_policy_set(const hk_policy_t* p) {
   install(p);
   uint64_t v = live.version;
   _hk_unlock(&policy_lock);
+  _hk_threads_trap();        /* every thread takes it up at its next free, not at its next check-in */
   _hk_segment_fit_dirty();   /* a lowered share takes effect now, not at the next decay */
   return v;
 }

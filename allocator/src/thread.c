@@ -146,6 +146,7 @@ hk_tcache_t* _hk_tcache_setup(void) {
   hk_thread_rec_t* r = rec_alloc();
   if (r) {
     r->tid = tc->tid;
+    r->tc = tc;
     r->prev = NULL;
     r->next = registry;
     if (registry) registry->prev = r;
@@ -168,6 +169,76 @@ hk_tcache_t* _hk_tcache_setup(void) {
    * setting it does not allocate. */
   if (thread_key_ok) pthread_setspecific(thread_key, tc);
   return tc;
+}
+
+/* ---- reaching every thread ----------------------------------------------------
+ * A thread takes up a new policy, and a malloc_trim, on its own slow path:
+ * at a check-in, 512 or more allocations of one class after the last. A
+ * thread that wakes for a few calls at a time gets there only after several
+ * wake-ups, and until then its cache keeps the old capacity. Measured on
+ * bench-learn's idle-threads (32 threads, mostly asleep) with the policy
+ * switched by hand to cap=4 drain=100: the program's CPU rose within 0.25 s
+ * of the switch, as the first threads drained, but its RSS fell only
+ * 0.25-1.2 s after it, so a 2-s window ending 0.25-0.5 s after the switch
+ * cost 1.040-1.057 times the default's median (3 runs); and learnd's A/B
+ * trials, in blocks of one or two 1-s windows, measured a blend of the two
+ * policies.
+ *
+ * So whoever installs a policy (hk_policy_set) or trims sets every live
+ * thread's block-start limits to 0: the trap free() already has for a new
+ * or ended thread and for a capture, so the fast paths stay as they are.
+ * That thread's next free of a block of its own class fails the test and
+ * takes the slow path, which puts the limits back (_hk_untrap_if_trapped)
+ * and then takes up the policy and the trim (tcache_slow). A limit the
+ * owner writes back over a trap, when both come at once, loses that trap:
+ * the thread then takes the policy at its next check-in, as before. The
+ * fast path reads the limit with a plain load, which sees an aligned
+ * 8-byte store whole.
+ *
+ * The same switch by hand, 3 runs each (interleaved, at ad8d902 and with
+ * this): the RSS came within 5% of the new policy's level 0.49-0.61 s after
+ * the switch against 0.95-1.12 s, and the memory above that level over the
+ * 5 s after it was 18.8-19.3 MiB*s against 32.4-38.2. The worst 2-s window
+ * did not change beyond noise (1.060-1.086 against 1.042-1.079 times the
+ * default's median, 6 runs each): the drains' CPU still comes before the
+ * pages go. The fast path is unchanged (bench/callgrind.sh: 47.01
+ * instructions a malloc(64)+free pair, both).
+ *
+ * Another thread's TLS is written only while that thread lives: its record
+ * leaves the registry in thread_exit, under the lock held here, before its
+ * TLS goes. A thread whose exit hook never runs (its first allocation came
+ * from another key's destructor on pthread's last round: "threads" above)
+ * keeps its record until a sweep, so the liveness test (tgkill with signal
+ * 0) comes before each write: one system call per thread per policy
+ * (hk_policy_set with 1,000 sleeping threads: 0.5 ms; with 10: 5 us), which
+ * a program pays once a second at most (learnd's A/B switches). What that leaves is a thread of that kind ending between its
+ * test and its write, with its stack unmapped in that time. */
+void _hk_threads_trap(void) {
+  /* The policy (its version) and the trim epoch before any trap: a thread
+   * that sees a limit of 0 sees them (_hk_untrap_if_trapped). */
+  atomic_thread_fence(memory_order_release);
+  int saved_errno = errno;   /* the test's ESRCH is no business of the caller's */
+  _hk_registry_lock();
+  for (hk_thread_rec_t* r = registry; r; r = r->next) {
+    hk_tcache_t* tc = r->tc;
+    if (!tc) continue;
+    if (tc != &_hk_tc && _hk_os_thread_gone(r->tid)) continue;
+    for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) __atomic_store_n(&tc->bin[cls].limit, 0, __ATOMIC_RELAXED);
+  }
+  _hk_registry_unlock();
+  errno = saved_errno;
+}
+
+/* A free whose bin's limit is 0. Trapped by a capture (trace.h), or not
+ * set up yet, or ended: left alone. Else _hk_threads_trap's trap: every
+ * limit goes back, and the caller's tcache_slow takes up what came. */
+void _hk_untrap_if_trapped(hk_tcache_t* tc) {
+  if (tc->state != HK_TC_ACTIVE || _hk_trace_tls.trapped) return;
+  atomic_thread_fence(memory_order_acquire);
+  for (unsigned cls = 1; cls < HK_NUM_CLASSES; cls++) __atomic_store_n(&tc->bin[cls].limit, _hk_div[cls].limit, __ATOMIC_RELAXED);
+  /* The limits written back before the version is read again, so a trap
+   * for a newer policy is either seen now or lands after them. */
+  atomic_thread_fence(memory_order_seq_cst);
 }
 
 /* Blocks freed into the inboxes of records that no thread has (slab.c

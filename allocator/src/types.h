@@ -226,6 +226,11 @@ typedef struct hk_thread_rec_s {
   _Atomic uint64_t allocs[HK_NUM_CLASSES];  /* blocks handed out, as last published */
   _Atomic uint32_t cached[HK_NUM_CLASSES];  /* bin.count as last published */
   uint32_t tid;                             /* kernel thread id */
+  /* The thread's cache, for the one write another thread makes to it: the
+   * free trap that brings a new policy or a malloc_trim to it at its next
+   * free (thread.c "reaching every thread"). Set and cleared under the
+   * registry lock; NULL once the thread has run its exit hook. */
+  struct hk_tcache_s* tc;
   /* Held by the thread while its slow path touches own, own_full and
    * stash, and by the decay pass while it gives back the inbox of a thread
    * that has not taken it for a whole interval (slab.c "idle owners"). */

@@ -7,17 +7,23 @@
  * the countdown can bring it to a slow path. LOOP is more than the longest
  * countdown (CHECKIN_MAX_BLOCKS + 1 = 32769 allocations of one class). */
 #define _GNU_SOURCE
+#include <limits.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "hakmem.h"
 #include "harness.h"
 #include "testutil.h"
+/* White-box for one thing: whether a thread's free is still trapped
+ * (thread.c "reaching every thread"), which no counter shows. */
+#include "../src/types.h"
+extern __thread hk_tcache_t _hk_tc __attribute__((tls_model("initial-exec")));
 
 #define LOOP 40000
 #define PARK 300
@@ -43,7 +49,9 @@ typedef struct {
   size_t park_size;
   atomic_int step;       /* 1: parked; 2: go; 3: loop done */
   double idle_s;         /* extra sleep after go, before the loop */
-  double loop_s;         /* run the hot loop at least this long (0: LOOP calls) */
+  double loop_s;         /* run the hot loop at least this long (0: loop_n calls) */
+  long loop_n;           /* calls in the hot loop (0: LOOP) */
+  int trapped_after;     /* after the loop: its 64-byte bin's free still trapped */
 } worker_t;
 
 static void wait_step(atomic_int* s, int want) {
@@ -68,8 +76,10 @@ static void* worker(void* arg) {
     double end = now_s() + w->loop_s;
     while (now_s() < end) hot_loop(64, 1000);
   } else {
-    hot_loop(64, LOOP);
+    hot_loop(64, w->loop_n ? w->loop_n : LOOP);
   }
+  hk_stats_get(&st);          /* publishes this thread's cache counts */
+  w->trapped_after = _hk_tc.bin[cls_of(64)].limit == 0;
   atomic_store(&w->step, 3);
   wait_step(&w->step, 4);     /* stay alive: its records stay in the registry */
   return NULL;
@@ -81,11 +91,13 @@ static void run_worker(worker_t* w, pthread_t* t) {
   wait_step(&w->step, 1);
 }
 
-TEST(a_lowered_capacity_reaches_a_thread_that_only_hits) {
+/* A worker parks PARK 64-byte blocks, the capacity drops to 4, and the
+ * worker then makes loop_n malloc+free calls (0: LOOP). */
+static void lower_capacity_then(long loop_n) {
   hk_policy_t saved, p;
   hk_policy_get(&saved);
   unsigned c = cls_of(64);
-  worker_t w = {.park_size = 64};
+  worker_t w = {.park_size = 64, .loop_n = loop_n};
   pthread_t t;
   run_worker(&w, &t);
   REQUIRE(cached_blocks(c) >= PARK - 1);
@@ -95,12 +107,82 @@ TEST(a_lowered_capacity_reaches_a_thread_that_only_hits) {
   REQUIRE(hk_policy_set(&p) != 0);
   atomic_store(&w.step, 2);
   wait_step(&w.step, 3);
-  /* Before the countdown the worker never left its fast path: its cache
-   * kept the PARK blocks under a capacity of 4. */
   CHECK(cached_blocks(c) <= 4);
+  CHECK_EQ(w.trapped_after, 0);   /* its frees are back on the fast path */
   atomic_store(&w.step, 4);
   pthread_join(t, NULL);
   hk_policy_set(&saved);
+}
+
+/* Past the countdown, even a worker that never left its fast path until
+ * then keeps no more than the new capacity. */
+TEST(a_lowered_capacity_reaches_a_thread_that_only_hits) { lower_capacity_then(0); }
+
+/* thread.c "reaching every thread": a thread that wakes for a call or two
+ * takes a new policy at its first free, not after 512 or more allocations
+ * of a class. */
+TEST(a_new_policy_reaches_a_thread_at_its_next_free) { lower_capacity_then(1); }
+
+/* A thread whose first allocation comes from another key's destructor on
+ * pthread's last round never runs the exit hook: its record stays in the
+ * registry, pointing at TLS that is gone. Here that TLS sits in a stack
+ * the test owns and unmaps after the join, so a trap written there faults. */
+static pthread_key_t late_key;
+static atomic_int late_rounds;
+
+static void late_destructor(void* v) {
+  if (atomic_fetch_add(&late_rounds, 1) + 1 < PTHREAD_DESTRUCTOR_ITERATIONS) {
+    pthread_setspecific(late_key, v);   /* one more round */
+    return;
+  }
+  void* volatile p = malloc(64);       /* the thread's first allocation */
+  free(p);
+}
+
+static void* late_thread(void* arg) {
+  pthread_setspecific(late_key, arg);  /* no allocation before the destructors */
+  return NULL;
+}
+
+TEST(a_trap_never_writes_a_thread_gone_without_its_exit_hook) {
+  REQUIRE(pthread_key_create(&late_key, late_destructor) == 0);
+  size_t len = 1u << 20;
+  void* stack = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(stack != MAP_FAILED);
+  pthread_attr_t a;
+  pthread_attr_init(&a);
+  REQUIRE(pthread_attr_setstack(&a, stack, len) == 0);
+  hk_stats_t s0, s1;
+  hk_stats_get(&s0);
+  pthread_t t;
+  REQUIRE(pthread_create(&t, &a, late_thread, (void*)1) == 0);
+  pthread_join(t, NULL);
+  pthread_attr_destroy(&a);
+  REQUIRE(atomic_load(&late_rounds) == PTHREAD_DESTRUCTOR_ITERATIONS);
+  munmap(stack, len);                  /* its TLS with it */
+  /* No stats call before the trap: one would sweep the record away. */
+  hk_policy_t p;
+  hk_policy_get(&p);
+  REQUIRE(hk_policy_set(&p) != 0);     /* traps every live thread */
+  malloc_trim(0);                      /* and so does this */
+  hk_stats_get(&s1);
+  CHECK_EQ(s1.threads_total, s0.threads_total + 1);   /* it had a cache, and a record */
+  pthread_key_delete(late_key);
+}
+
+TEST(malloc_trim_reaches_an_idle_thread_at_its_next_free) {
+  unsigned c = cls_of(128);
+  worker_t w = {.park_size = 128, .loop_n = 1};
+  pthread_t t;
+  run_worker(&w, &t);
+  CHECK(cached_blocks(c) >= PARK - 1);
+  malloc_trim(0);
+  atomic_store(&w.step, 2);   /* one 64-byte malloc and free */
+  wait_step(&w.step, 3);
+  CHECK_EQ(cached_blocks(c), 0);
+  CHECK_EQ(w.trapped_after, 0);
+  atomic_store(&w.step, 4);
+  pthread_join(t, NULL);
 }
 
 TEST(malloc_trim_reaches_an_idle_thread_when_it_allocates_again) {
@@ -197,6 +279,9 @@ TEST(checkins_come_within_the_drawn_bounds) {
 int main(void) {
   hang_alarm(under_valgrind() ? 600 : 60, "test_checkin: hung\n");
   RUN(a_lowered_capacity_reaches_a_thread_that_only_hits);
+  RUN(a_new_policy_reaches_a_thread_at_its_next_free);
+  RUN(malloc_trim_reaches_an_idle_thread_at_its_next_free);
+  RUN(a_trap_never_writes_a_thread_gone_without_its_exit_hook);
   RUN(malloc_trim_reaches_an_idle_thread_when_it_allocates_again);
   RUN(the_drain_interval_reaches_a_thread_that_slept);
   RUN(allocation_counts_stay_exact);

@@ -74,6 +74,15 @@ AFTER_WINDOWS = 3            # windows measured before the capture is asked for 
 ACK_WAIT_S = 10.0            # a process takes a request on its next allocation or telemetry tick
 GRACE_S = 10.0               # after the capture's seconds: the bound is checked at the next allocation or tick
 REPLAY_TIMEOUT_S = 120.0     # one replay; a trace of N seconds replays in about N
+# A capture that holds fewer events ranks nothing but the replays' fixed
+# costs: PostgreSQL's traced process made 2 allocations in 6 s, and its 15
+# replays put `cap=4 warm=0` at -87% (2-minute learn_real run at ad8d902).
+# Such a capture, or one whose process ended (a backend whose connection
+# closed), is taken again from the busiest process of a later window, up to
+# CAPTURES times in all, before the screening fails and the search goes on
+# blind (which on PostgreSQL tried policies that cost +217% to +290%).
+MIN_EVENTS = 256
+CAPTURES = 3
 STAGGER_S = 0.25            # replay k starts k times this late: side by side, their bursts would coincide
 REPLAY_NICE = 19            # replays take the CPUs the program leaves
 MEM_SHARE = 0.25             # replays at once hold at most this share of MemAvailable ...
@@ -195,6 +204,11 @@ def sweep_stale(directory: str | None = None) -> int:
         except OSError:
             continue
     return gone
+
+
+class _Again(C.CaptureError):
+    """A capture that another process, or a later window, may do better
+    (MIN_EVENTS, CAPTURES)."""
 
 
 class Gate:
@@ -417,8 +431,10 @@ class Screen:
         self.results: list[tuple[Ranked, object]] = []   # (ranked, replay.Result)
         self._pool: cf.ThreadPoolExecutor | None = None
         self._fut: cf.Future | None = None
-        self.t_started = self.t_traced = self.t_done = None
+        self.t_started = self.t_traced = self.t_done = None   # t_started: the first capture's
         self.t_capture_end: float | None = None
+        self.retried: list[str] = []      # why each earlier capture was taken again
+        self.min_events = MIN_EVENTS
         self.gate: Gate | None = None     # while an intermittent program's replays run
 
     # ---- the steps -------------------------------------------------------------------
@@ -442,6 +458,11 @@ class Screen:
                 self.state, self.t_done = self.DONE, now
                 self._cleanup()
                 return ranked
+        except _Again as e:
+            self.retried.append(str(e))
+            if len(self.retried) >= CAPTURES:
+                return self._fail(f"{e} (capture {len(self.retried)} of {CAPTURES})")
+            self._again(now)
         except C.CaptureError as e:
             return self._fail(str(e))
         except Exception as e:   # a replay that failed (replay.ReplayError), a trace that does not parse
@@ -462,6 +483,16 @@ class Screen:
         self._cleanup()
         return []
 
+    def _again(self, now):
+        """Back to waiting: the next capture comes from the busiest process
+        AFTER_WINDOWS windows on. Windows since the first capture's start
+        stay out of the evidence until the last one ends (tracing_during)."""
+        self.t_capture_end = now
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
+        self.state, self.windows, self.proc, self.req, self.t_traced = self.WAIT, 0, None, 0, None
+
     def _ask(self, procs, now):
         busy = [p for p in procs if p.last_allocs > 0 and p.ring.alive]
         if not busy:
@@ -473,7 +504,9 @@ class Screen:
         self.capture_s = self.bursty_seconds if self.intermittent else self.seconds
         self.rss_bytes = float(getattr(p, "last_rss", 0.0) or 0.0)
         self.req = C.request(p.ring, self.capture_s, self.max_bytes)
-        self.state, self.t_started = self.CAPTURE, now
+        self.state, self.t_capture_end = self.CAPTURE, None
+        if self.t_started is None:
+            self.t_started = now
         # Watching from the capture on, the gate knows the bursts' period
         # when the first replay starts. Started with the replays, it saw its
         # first two bursts unguarded: on spikes one of them took 80 ms of
@@ -485,7 +518,7 @@ class Screen:
     def _wait_capture(self, procs, now):
         p = self.proc
         if p not in procs:
-            raise C.CaptureError(f"process {p.pid} ended during the capture")
+            raise _Again(f"process {p.pid} ended during the capture")
         a = C.answer(p.ring, self.req)
         if a is None:
             if now >= self.deadline:
@@ -526,8 +559,9 @@ class Screen:
         finally:
             os.close(dfd)
         self.footer = C.check_trace(data)
-        if self.footer["events"] == 0:
-            raise C.CaptureError(f"process {p.pid}'s capture holds no events")
+        if self.footer["events"] < self.min_events:
+            raise _Again(f"process {p.pid}'s capture holds {self.footer['events']} events, "
+                         f"too few to rank policies by (under {self.min_events})")
         # A capture asked for N seconds ends at the first allocation or tick
         # after them: a footer claiming much longer is not this capture, and
         # the replays would pace its idle gaps for as long as it says.
@@ -693,6 +727,8 @@ class Screen:
         if self.gate is not None:
             burst += (f", replays held {self.gate.closings} times for {self.gate.closed_s:.1f} s"
                       f" while it ran")
+        if self.retried:
+            burst += f", capture {len(self.retried) + 1} ({'; '.join(self.retried)})"
         return (f"{len(ranked)} policies replayed on {f.get('events', 0):,} events "
                 f"({f.get('duration_s', 0):.2f} s traced{burst}{how}; ranked by slow-path time, priced faults and memory); "
                 f"best: {', '.join(parts)}")

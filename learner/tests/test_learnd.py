@@ -113,6 +113,43 @@ def test_discovers_samples_stores_and_cleans_up(tmp_path):
     assert oct(stat.S_IMODE(st.st_mode)) == oct(0o1777 if os.geteuid() == 0 else 0o700)
 
 
+def test_a_process_that_allocates_nothing_neither_confirms_nor_holds_back_the_policy(tmp_path):
+    """One program, two processes: one busy, one that makes no call at all
+    after its first 0.1 s and has no background thread (a service's helper
+    asleep between rounds: PostgreSQL's background writer). A pinned policy
+    is written to both; the idle one never reads its snapshot, so it never
+    confirms it. The busy process's windows must count for the pinned policy
+    all the same: were the idle process to hold the target back, learnd
+    would measure nothing for the program for as long as it sleeps."""
+    d = Learnd(tmp_path, "--learner", "static")
+    idle = busy = None
+    try:
+        idle = start(["idle", 0.1, scaled(15)], d.shm, HAKMEM_BACKGROUND=0)
+        idle_ring = Ring(ring_path(d.shm, idle.pid))
+        assert json.loads(idle.stdout.readline())["mode"] == "idle-start"
+        busy = start(["burst", 64, 3000, scaled(6)], d.shm)
+        ring_path(d.shm, busy.pid)
+        d.wait_log(f"process_started workload[{idle.pid}]")
+        d.wait_log(f"process_started workload[{busy.pid}]")
+        r = run_cli("policy", "pin", WORKLOAD, "--set", "drain_ms=7", "--run-dir", d.run, "--db", d.db,
+                    env=clean_env())
+        assert r.returncode == 0, r.stdout + r.stderr
+        wait_for(lambda: idle_ring.published_version() >= 1, 5, "the pinned policy written to the idle process")
+        assert finish(busy)["ops"] > 0
+        # The case under test was built: the idle process never took it up.
+        st = idle_ring.status()
+        assert st["seen_version"] == 0 and st["applied_version"] == 0, st
+        d.wait_log(f"process_exited workload[{busy.pid}]")
+    finally:
+        if idle is not None and idle.poll() is None:
+            idle.kill()
+            idle.wait()
+        assert d.stop() == 0, d.text()
+    pinned = db_rows(d.db, "SELECT count(*) FROM windows w JOIN processes p ON p.id = w.process_id "
+                           "JOIN policies q ON q.id = w.policy_id WHERE p.pid = ? AND q.origin = 'pinned'", busy.pid)
+    assert pinned[0][0] >= 4, (pinned, d.text()[-3000:])
+
+
 def test_learns_a_deeper_cache_for_a_bursty_program_and_remembers_it(tmp_path):
     """The GP learner, from a cold start, on a program whose 64-byte bursts of
     4000 blocks overflow the default 1024-block cache: it must find a bigger

@@ -56,6 +56,24 @@ def request(ring, seconds, max_bytes):
     return req
 
 
+def withdraw(ring, req) -> bool:
+    """Takes back request req if the process has not seen it: the request
+    number goes back to the one it saw last, which it reads as no request.
+    Returns whether it was in time. A process that took req meanwhile keeps
+    it (its number is put back: were the old one left there, the process
+    would take that as yet another request, refused while req records), and
+    its trace is nobody's: learnd sweeps it (daemon.py sweep_captures)."""
+    seen = _u64(ring, "header", "trace_seen")
+    if seen == req:
+        return False
+    at = ring.policy_offset + L.offset_of("policy_area", "trace_request")
+    ring.write(at, seen.to_bytes(8, "little"))
+    if _u64(ring, "header", "trace_seen") == req:
+        ring.write(at, req.to_bytes(8, "little"))
+        return False
+    return True
+
+
 def _varint(b, i):
     n = shift = 0
     while True:

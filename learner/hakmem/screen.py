@@ -77,8 +77,8 @@ REPLAY_TIMEOUT_S = 120.0     # one replay; a trace of N seconds replays in about
 # A capture that holds fewer events ranks nothing but the replays' fixed
 # costs: PostgreSQL's traced process made 2 allocations in 6 s, and its 15
 # replays put `cap=4 warm=0` at -87% (2-minute learn_real run at ad8d902).
-# Such a capture, or one whose process ended (a backend whose connection
-# closed), is taken again from the busiest process of a later window, up to
+# Such a capture, one whose process ended (a backend whose connection
+# closed), or one its process never took (idle since), is taken again from the busiest process of a later window, up to
 # CAPTURES times in all, before the screening fails and the search goes on
 # blind (which on PostgreSQL tried policies that cost +217% to +290%).
 MIN_EVENTS = 256
@@ -522,7 +522,12 @@ class Screen:
         a = C.answer(p.ring, self.req)
         if a is None:
             if now >= self.deadline:
-                raise C.CaptureError(f"process {p.pid} did not take the capture request within {ACK_WAIT_S:g} s")
+                # An idle process (a backend between connections, with no
+                # background thread) takes a request at its next call, and
+                # would record then for nobody.
+                with contextlib.suppress(Exception):
+                    C.withdraw(p.ring, self.req)
+                raise _Again(f"process {p.pid} did not take the capture request within {ACK_WAIT_S:g} s")
             return
         state, err = a
         if state == C.REFUSED:

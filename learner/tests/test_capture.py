@@ -366,3 +366,72 @@ def test_live_requests_one_after_another_and_busy_while_capturing(shm, tmp_path)
     assert w.returncode == 0 and b.returncode == 0
     chunks, _ = decode(full)          # the from-start capture went on to the end
     assert chunks[0].header.mode == trace_pb2.SAMPLED and chunks[-1].footer.end_reason == "exit"
+
+
+def test_a_request_not_yet_taken_is_withdrawn_and_one_taken_is_left_alone(shm, tmp_path):
+    """learnd's screening withdraws a request its process did not take
+    within ACK_WAIT_S (an idle process would take it at its next call and
+    record for nobody). Withdrawn in time: the process, running again, never
+    records, and still takes the next request. Too late: the request stays
+    as it was, and the process does not take the withdrawal for one more."""
+    import signal
+    import time
+    from hakmem import capture as C
+    e = clean_env(LD_PRELOAD=str(LIB), HAKMEM_SHM_DIR=str(shm))
+    w = subprocess.Popen([str(WORKLOAD), "hot", "64", "100", str(scaled(8))], env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with Ring(ring_path(shm, w.pid), writable=True) as ring:
+            os.kill(w.pid, signal.SIGSTOP)          # asleep: it cannot take the request
+            try:
+                req = C.request(ring, 1, 65536)
+                assert C.withdraw(ring, req) is True
+            finally:
+                os.kill(w.pid, signal.SIGCONT)
+            time.sleep(scaled(0.5))                 # dozens of its telemetry ticks
+            assert C.answer(ring, req) is None and ring.header()["trace_seen"] == 0
+            assert not [n for n in os.listdir(shm) if ".trace-" in n]
+            # It still takes the next one; withdrawn once taken, it stays.
+            req = C.request(ring, 1, 65536)
+            wait_for(lambda: C.answer(ring, req), 10, "the process to take the second request")
+            assert C.withdraw(ring, req) is False
+            assert C._u64(ring, "policy_area", "trace_request") == req
+            wait_for(lambda: C.answer(ring, req)[0] == C.DONE, 10, "the second capture to end")
+            assert C.answer(ring, req) == (C.DONE, 0)
+            assert [n for n in os.listdir(shm) if ".trace-" in n] == [C.trace_name(ring, req)]
+    finally:
+        w.communicate(timeout=scaled(30))
+    assert w.returncode == 0
+
+
+def test_a_withdrawal_that_crosses_the_process_taking_the_request_puts_it_back():
+    """The race the live test cannot time: the process takes the request
+    between withdraw's read and its write. The old number left there would
+    be one more request to the process; withdraw puts the taken one back."""
+    from hakmem import capture as C
+
+    class Racing:
+        policy_offset = 4096
+
+        def __init__(self, seen, req):
+            self.mem = bytearray(8192)
+            self._put("header", "trace_seen", seen)
+            self._put("policy_area", "trace_request", req)
+            self.req, self.writes = req, []
+
+        def _put(self, struct, field, v):
+            at = (0 if struct == "header" else self.policy_offset) + L.offset_of(struct, field)
+            self.mem[at:at + 8] = int(v).to_bytes(8, "little")
+
+        def read(self, off, n):
+            return bytes(self.mem[off:off + n])
+
+        def write(self, off, data):
+            if not self.writes:                     # the process takes it just before our first write
+                self._put("header", "trace_seen", self.req)
+            self.writes.append(int.from_bytes(data, "little"))
+            self.mem[off:off + len(data)] = data
+
+    ring = Racing(seen=7, req=99)
+    assert C.withdraw(ring, 99) is False
+    assert ring.writes == [7, 99] and C._u64(ring, "policy_area", "trace_request") == 99

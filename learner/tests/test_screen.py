@@ -396,11 +396,12 @@ def test_a_capture_that_fails_closes_the_gate_it_started(monkeypatch):
 
 def _capture_again(monkeypatch, events):
     """A Screen whose captures all end with `events` events (or, with
-    events None, whose traced process ends during each)."""
+    events None, whose traced process ends during each; with "unanswered",
+    whose process never takes the request)."""
     import types
     import hakmem.capture as C
     monkeypatch.setattr(C, "request", lambda ring, secs, max_bytes: 1)
-    monkeypatch.setattr(C, "answer", lambda ring, req: (C.DONE, 0))
+    monkeypatch.setattr(C, "answer", lambda ring, req: None if events == "unanswered" else (C.DONE, 0))
     monkeypatch.setattr(C, "trace_name", lambda ring, req: "t.trace")
 
     def open_trace(d, name, uid):
@@ -414,30 +415,42 @@ def _capture_again(monkeypatch, events):
     return s, p
 
 
-@pytest.mark.parametrize("events", [None, 0, 2, 255])
+@pytest.mark.parametrize("events", [None, 0, 2, 255, "unanswered"])
 def test_a_capture_too_small_or_of_a_process_that_ended_is_taken_again_then_fails(monkeypatch, events):
     """PostgreSQL's traced process made 2 allocations in 6 s, and the
     replays ranked their own fixed costs (-87% each); a backend traced
-    while its connection closed ended the capture. Each is taken again
-    from the busiest process of a later window, CAPTURES times in all;
-    the windows from the first capture's start stay out of the evidence."""
+    while its connection closed ended the capture; another, idle, never
+    took the request. Each is taken again from the busiest process of a
+    later window, CAPTURES times in all (a request never taken is withdrawn
+    first); the windows from the first capture's start stay out of the
+    evidence."""
+    import hakmem.capture as C
     from hakmem import screen as S
     s, p = _capture_again(monkeypatch, events)
+    withdrawn = []
+    monkeypatch.setattr(C, "withdraw", lambda ring, req: withdrawn.append(req) or True)
     t = 0.0
     for k in range(S.CAPTURES):
         while s.state == s.WAIT:
             t += 1.0
             assert s.step([p], t) is None
         assert s.state == s.CAPTURE and s.t_started == (S.AFTER_WINDOWS if k == 0 else s.t_started)
-        t += 1.0
+        if events == "unanswered":
+            t += 1.0
+            assert s.step([p], t) is None and s.state == s.CAPTURE, "still within its time to take it"
+            t += S.ACK_WAIT_S
+        else:
+            t += 1.0
         out = s.step([] if events is None else [p], t)
         if k < S.CAPTURES - 1:
             assert out is None and s.state == s.WAIT and len(s.retried) == k + 1, (s.retried, s.why)
             assert s.tracing_during(t - 0.5, t + 0.5) and not s.tracing_during(t + 1, t + 2)
     assert out == [] and s.state == s.FAILED, (s.state, s.why)
-    what = "ended during the capture" if events is None else f"holds {events} events, too few"
+    what = {None: "ended during the capture", "unanswered": "did not take the capture request within"}.get(
+        events, f"holds {events} events, too few")
     assert what in s.why and f"(capture {S.CAPTURES} of {S.CAPTURES})" in s.why, s.why
     assert s.t_started == S.AFTER_WINDOWS    # the first capture's start: the screening's time
+    assert withdrawn == ([1] * S.CAPTURES if events == "unanswered" else [])
     s.close()
 
 

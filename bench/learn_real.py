@@ -48,6 +48,12 @@ X = units per CPU-second, D_ref = the default run's units per busy second
   learnd   hakmem-learnd (gp) from a cold start, then restarted on the
            database it left (warm), interleaved with the default and the
            best static policy of the room study
+  watched  (--watched) the price of being watched, the default policy in
+           force throughout: watch-hold (the telemetry lease held by
+           `hakmem ring hold`: every process makes its telemetry file and
+           publishes, nobody reads), watch-static (learnd --learner static
+           with HAKMEM_BPF=off: windows read and stored, nothing changed),
+           watch-static-bpf (the same with hakmem-bpf's probes)
 
 Where the programs' outputs are deterministic (every one but redis and
 postgres's transactions), each cycle's answer is hashed and every run's
@@ -88,6 +94,7 @@ BUILD = ROOT / os.environ.get("BUILD", "build")
 LIB = BUILD / "libhakmem.so"
 VENV_BIN = ROOT / ".venv" / "bin" if (ROOT / ".venv" / "bin").is_dir() else Path(sys.executable).parent
 LEARND = VENV_BIN / "hakmem-learnd"
+HAKMEM_CLI = [str(VENV_BIN / "hakmem")]
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 GIB = float(1 << 30)
 LAMBDA = 0.5            # bench/learn.py's price of memory: a GiB resident costs half a core
@@ -111,6 +118,13 @@ POINTS = {
     "drain=10000": {"HAKMEM_DRAIN_MS": 10000},
     "cap=4 warm=0": {"HAKMEM_TCACHE_CAP": 4, "HAKMEM_WARM_SLABS": 0},
     "cap=max warm=max": {"HAKMEM_TCACHE_CAP": 4096, "HAKMEM_WARM_SLABS": 1024},
+}
+# --watched: who watches the default (None: only the lease, held by
+# `hakmem ring hold`; else learnd's extra flags and environment).
+WATCHERS = {
+    "watch-hold": None,
+    "watch-static": (("--learner", "static"), {"HAKMEM_BPF": "off"}),
+    "watch-static-bpf": (("--learner", "static"), {}),
 }
 ROOM_POINTS = ("default", "cap=max warm=max", "cap=4", "warm=0", "drain=100", "drain=10000", "cap=4 warm=0")
 
@@ -676,13 +690,13 @@ PROGRAMS = {c.name: c for c in (Redis, Postgres, Python, Perl, Sqlite, Git, Gcc,
 
 
 class Learnd:
-    def __init__(self, work: Path, db: Path, shm: Path, objective: str):
+    def __init__(self, work: Path, db: Path, shm: Path, objective: str, extra=(), env=None):
         self.log_path = work / f"learnd-{time.monotonic_ns()}.log"
         self.log = open(self.log_path, "w")
         self.p = subprocess.Popen([str(LEARND), "--foreground", "--db", str(db), "--shm-dir", str(shm),
                                    "--run-dir", str(work / f"run-{time.monotonic_ns()}"), "--objective", objective,
-                                   "--pool-users", "root,postgres"],
-                                  stdout=self.log, stderr=subprocess.STDOUT, env=clean_env())
+                                   "--pool-users", "root,postgres", *extra],
+                                  stdout=self.log, stderr=subprocess.STDOUT, env=clean_env(**(env or {})))
         end = time.monotonic() + 60
         while "ready:" not in self.log_path.read_text(errors="replace"):
             if self.p.poll() is not None or time.monotonic() > end:
@@ -766,12 +780,15 @@ class Study:
         units = [[c] for c in self.a.points] + [[f"lib:{n}"] for n in self.a.libs]
         if self.a.learnd:
             units.append(["learnd-cold", "learnd-warm"])
+        if self.a.watched:
+            units += [[w] for w in WATCHERS]
         for rnd in range(self.a.rounds):
             order = units[rnd % len(units):] + units[:rnd % len(units)]
             for unit in order:
                 for c in unit:
                     say(f"{name}: round {rnd + 1}/{self.a.rounds}: {c}")
-                    r = self.learnd_run(prog, c, rnd) if c.startswith("learnd-") else self.one(prog, c)
+                    r = (self.learnd_run(prog, c, rnd) if c.startswith("learnd-") else
+                         self.watched_run(prog, c, rnd) if c in WATCHERS else self.one(prog, c))
                     r["round"] = rnd
                     res["runs"].append(r)
                     if "error" in r:
@@ -784,10 +801,15 @@ class Study:
         """A run beside hakmem-learnd (gp, the objective's λ): cold on a fresh
         database, warm restarted on the one the round's cold run left."""
         state = self.tmp / f"learnd-{prog.name}-{rnd}"
+        r = self._beside_learnd(prog, tag, state, self.tmp / f"shm-{prog.name}-{rnd}")
+        if "learnd_rc" in r:
+            r["learned"] = stored_policy(state / "learn.db")
+        return r
+
+    def _beside_learnd(self, prog: Program, tag: str, state: Path, shm: Path, extra=(), env=None) -> dict:
         state.mkdir(mode=0o700, exist_ok=True)
-        db, shm = state / "learn.db", self.tmp / f"shm-{prog.name}-{rnd}"
         try:
-            d = Learnd(state, db, shm, f"lambda={LAMBDA}")
+            d = Learnd(state, state / "learn.db", shm, f"lambda={LAMBDA}", extra, env)
         except RunError as e:
             return {"config": tag, "error": str(e)}
         try:
@@ -795,10 +817,30 @@ class Study:
         finally:
             rc = d.stop()
         r["learnd_rc"], r["learnd_log"] = rc, d.tail()
-        r["learned"] = stored_policy(db)
         if rc not in (0, None) and "error" not in r:
             r["error"] = f"learnd exited {rc}"
         return r
+
+    def watched_run(self, prog: Program, tag: str, rnd: int) -> dict:
+        """The default policy, watched by WATCHERS[tag]: what watching costs."""
+        shm = self.tmp / f"shm-{tag}-{prog.name}-{rnd}"
+        what = WATCHERS[tag]
+        if what is None:
+            shm.mkdir(mode=0o1777)
+            os.chmod(shm, 0o1777)       # as learnd makes it: every user's processes publish there
+            holder = subprocess.Popen([*HAKMEM_CLI, "ring", "hold", str(shm)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
+            said = holder.stderr.readline()      # "holding DIR: ..." once the lease is held
+            if not said.startswith("holding"):
+                holder.kill()
+                holder.wait()
+                return {"config": tag, "error": f"hakmem ring hold did not start: {said.strip()[-300:]}"}
+            try:
+                return self.one(prog, tag, shm)
+            finally:
+                holder.terminate()
+                holder.wait(30)
+        return self._beside_learnd(prog, tag, self.tmp / f"{tag}-{prog.name}-{rnd}", shm, *what)
 
     def main(self) -> dict:
         out = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -922,6 +964,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default %(default)s)")
     ap.add_argument("--learnd", action="store_true",
                     help="also run learnd cold and warm in each round (a fresh database per round)")
+    ap.add_argument("--watched", action="store_true",
+                    help="also run the default watched: " + ", ".join(WATCHERS) + " (the price of watching)")
     ap.add_argument("--lib", action="append", default=[], metavar="NAME=PATH",
                     help="another build of hakmem as one more configuration, lib:NAME (e.g. base=/tmp/old/libhakmem.so)")
     ap.add_argument("--small", action="store_true", help="small data and short idles: the check CI runs")

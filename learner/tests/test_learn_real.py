@@ -122,3 +122,24 @@ def test_every_program_runs_short_with_glibcs_answers(tmp_path):
         assert res["answers_differ"] == [], (name, res["answers_differ"])
         if res["deterministic"]:
             assert runs["default"]["answers"] and runs["default"]["answers"][0] == runs["glibc"]["answers"][0], name
+
+
+def test_watched_runs_price_watching_with_the_default_in_force(tmp_path):
+    """--watched: the default, watched three ways (the lease alone, learnd
+    static without and with hakmem-bpf), each run whole, with the same
+    answers; learnd watched with the static learner, hakmem-bpf off where asked."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "learn_real.py"), "--small", "--seconds", "0",
+                        "--rounds", "1", "--points", "default", "--watched", "--only", "jq",
+                        "--out", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=scaled(300))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)["programs"]["jq"]
+    runs = {x["config"]: x for x in res["runs"]}
+    assert set(runs) == {"default", *learn_real.WATCHERS}, runs.keys()
+    for config, x in runs.items():
+        assert "error" not in x and x["cycles"] >= 1 and x["not_preloaded"] == 0, (config, x)
+    assert res["answers_differ"] == []
+    for config in ("watch-static", "watch-static-bpf"):
+        log = "\n".join(runs[config]["learnd_log"])
+        assert runs[config]["learnd_rc"] == 0 and "learner static" in log, log
+    assert "HAKMEM_BPF=off" in "\n".join(runs["watch-static"]["learnd_log"])

@@ -434,6 +434,7 @@ class Screen:
         self.t_started = self.t_traced = self.t_done = None   # t_started: the first capture's
         self.t_capture_end: float | None = None
         self.retried: list[str] = []      # why each earlier capture was taken again
+        self.deaf: set[int] = set()       # pids that let a request go untaken: never asked again
         self.min_events = MIN_EVENTS
         self.gate: Gate | None = None     # while an intermittent program's replays run
 
@@ -494,7 +495,10 @@ class Screen:
         self.state, self.windows, self.proc, self.req, self.t_traced = self.WAIT, 0, None, 0, None
 
     def _ask(self, procs, now):
-        busy = [p for p in procs if p.last_allocs > 0 and p.ring.alive]
+        # A process that did not take a request in ACK_WAIT_S would not take
+        # the next: PostgreSQL's busiest process at 1 allocation a second
+        # (a background worker) was asked three times, and the screening failed.
+        busy = [p for p in procs if p.last_allocs > 0 and p.ring.alive and p.pid not in self.deaf]
         if not busy:
             return            # nothing allocates: nothing to trace yet
         p = max(busy, key=lambda p: p.last_allocs)
@@ -527,6 +531,7 @@ class Screen:
                 # would record then for nobody.
                 with contextlib.suppress(Exception):
                     C.withdraw(p.ring, self.req)
+                self.deaf.add(p.pid)
                 raise _Again(f"process {p.pid} did not take the capture request within {ACK_WAIT_S:g} s")
             return
         state, err = a

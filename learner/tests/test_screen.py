@@ -431,6 +431,8 @@ def test_a_capture_too_small_or_of_a_process_that_ended_is_taken_again_then_fail
     monkeypatch.setattr(C, "withdraw", lambda ring, req: withdrawn.append(req) or True)
     t = 0.0
     for k in range(S.CAPTURES):
+        if events == "unanswered":
+            p.pid = 4242 + k      # a process that let a request go is not asked again: another one
         while s.state == s.WAIT:
             t += 1.0
             assert s.step([p], t) is None
@@ -451,6 +453,43 @@ def test_a_capture_too_small_or_of_a_process_that_ended_is_taken_again_then_fail
     assert what in s.why and f"(capture {S.CAPTURES} of {S.CAPTURES})" in s.why, s.why
     assert s.t_started == S.AFTER_WINDOWS    # the first capture's start: the screening's time
     assert withdrawn == ([1] * S.CAPTURES if events == "unanswered" else [])
+    s.close()
+
+
+def test_a_process_that_let_a_request_go_untaken_is_not_asked_again(monkeypatch):
+    """PostgreSQL: the busiest process of each window, a background worker
+    at one allocation a second, was asked three times and never took the
+    request. The next capture asks the next busiest; with nobody else
+    allocating, nobody is asked."""
+    import types
+    import hakmem.capture as C
+    from hakmem import screen as S
+    asked = []
+    monkeypatch.setattr(C, "request", lambda ring, secs, max_bytes: asked.append(ring.pid) or 1)
+    monkeypatch.setattr(C, "answer", lambda ring, req: None)
+    monkeypatch.setattr(C, "withdraw", lambda ring, req: True)
+    s = Screen(make_ctx(), "/nonexistent", None, None)
+
+    def proc(pid, allocs):
+        return types.SimpleNamespace(pid=pid, ring=types.SimpleNamespace(alive=True, pid=pid), last_allocs=allocs,
+                                     last_rss=0.0)
+    deaf, next_busiest = proc(1, 900.0), proc(2, 40.0)
+    t = 0.0
+    while s.state == s.WAIT:
+        t += 1.0
+        s.step([deaf, next_busiest], t)
+    t += S.ACK_WAIT_S + 1
+    assert s.step([deaf, next_busiest], t) is None and s.state == s.WAIT
+    while s.state == s.WAIT and t < 100:
+        t += 1.0
+        s.step([deaf, next_busiest], t)
+    assert asked == [1, 2], asked
+    t += S.ACK_WAIT_S + 1
+    s.step([deaf, next_busiest], t)
+    for _ in range(10):
+        t += 1.0
+        assert s.step([deaf, next_busiest], t) is None
+    assert asked == [1, 2] and s.state == s.WAIT, (asked, s.state)
     s.close()
 
 

@@ -78,9 +78,10 @@ REPLAY_TIMEOUT_S = 120.0     # one replay; a trace of N seconds replays in about
 # costs: PostgreSQL's traced process made 2 allocations in 6 s, and its 15
 # replays put `cap=4 warm=0` at -87% (2-minute learn_real run at ad8d902).
 # Such a capture, one whose process ended (a backend whose connection
-# closed), or one its process never took (idle since), is taken again from the busiest process of a later window, up to
-# CAPTURES times in all, before the screening fails and the search goes on
-# blind (which on PostgreSQL tried policies that cost +217% to +290%).
+# closed), or one its process never took (idle since), is taken again from
+# the busiest process of a later window, up to CAPTURES times in all, before
+# the screening fails and the search goes on blind (which on PostgreSQL
+# tried policies that cost +217% to +290%).
 MIN_EVENTS = 256
 CAPTURES = 3
 STAGGER_S = 0.25            # replay k starts k times this late: side by side, their bursts would coincide

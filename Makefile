@@ -68,9 +68,9 @@ all: lib debug venv ## build libhakmem.so/.a (release), build/debug/ (asserts, -
 venv: $(VENV)/.installed ## the hakmem Python package and its dependencies in .venv
 
 $(VENV)/.installed: pyproject.toml setup.py $(PB_PY)
-	@$(if $(Q),echo "  VENV    $(VENV) (pip install -e .[test,bench])")
+	@$(if $(Q),echo "  VENV    $(VENV) (pip install -e .[test,bench,fleet])")
 	$(Q)test -x $(PY) || $(PYTHON3) -m venv $(VENV)
-	$(Q)$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+	$(Q)$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench,fleet]'
 	$(Q)touch $@
 
 # proto/ is the one definition of every message learnd, the CLI, exported

@@ -10,8 +10,9 @@ BENCH_CFLAGS := -std=gnu11 -O2 -g -pthread -Wall -Wextra -Wno-unused-parameter
 PY           ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 BENCH_ARGS   ?=
 SERVICES_ARGS ?=
+FLEET_ARGS   ?=
 
-.PHONY: bench bench-build bench-smoke bench-services
+.PHONY: bench bench-build bench-smoke bench-services bench-fleet
 
 bench-build: $(BENCH_BINS) ## build the benchmarks (build/bench/)
 
@@ -25,6 +26,9 @@ bench: lib venv bench-build ## compare hakmem with glibc, mimalloc, jemalloc, tc
 
 bench-services: lib venv ## hakmem against glibc and the peers inside PostgreSQL (pgbench) and redis (redis-benchmark), as root (SERVICES_ARGS=--quick)
 	$(Q)$(PY) bench/services.py $(SERVICES_ARGS)
+
+bench-fleet: venv ## the fleet database under 10, 100 and 1000 simulated learnd hosts: evaluations/s, pull latency, as root (FLEET_ARGS=--hosts 10,100)
+	$(Q)$(PY) bench/fleet.py $(FLEET_ARGS)
 
 bench-smoke: lib bench-build ## run every benchmark briefly under hakmem and check its result line
 	$(Q)BUILD=$(BUILD) bench/smoke.sh $(BUILD)/libhakmem.so

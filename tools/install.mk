@@ -61,7 +61,7 @@ install-lib: lib
 install-python: venv
 	$(Q)rm -rf $(BUILD)/pysrc $(BUILD)/wheel && mkdir -p $(BUILD)/pysrc $(BUILD)/wheel
 	$(Q)tar -cf - --exclude=__pycache__ --exclude='*.egg-info' --exclude=_pb pyproject.toml setup.py proto \
-	  schemas/sql learner/hakmem | tar -xf - -C $(BUILD)/pysrc
+	  schemas/sql schemas/fleet learner/hakmem | tar -xf - -C $(BUILD)/pysrc
 	@$(if $(Q),echo "  WHEEL   $(BUILD)/wheel")
 	$(Q)$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation --no-index \
 	  -w $(BUILD)/wheel $(BUILD)/pysrc
@@ -70,7 +70,7 @@ install-python: venv
 	$(Q)$(if $(HK_PY_DEPS_FROM),echo '$(abspath $(HK_PY_DEPS_FROM))' > \
 	  "$$($(D)$(HK_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hakmem-deps.pth")
 	$(Q)$(PY) -m pip --python $(D)$(HK_VENV)/bin/python install -q --disable-pip-version-check \
-	  $(if $(HK_PY_DEPS_FROM),--no-index) $(BUILD)/wheel/hakmem-*.whl
+	  $(if $(HK_PY_DEPS_FROM),--no-index) "$$(ls $(BUILD)/wheel/hakmem-*.whl)[fleet]"
 	$(Q)$(if $(D),grep -rlI --null -e '$(D)' $(D)$(HK_VENV)/bin $(D)$(HK_VENV)/pyvenv.cfg | \
 	  xargs -0 -r sed -i 's|$(D)||g')
 	$(Q)install -d $(D)$(BINDIR)

@@ -11,6 +11,7 @@ Example (deploy/learnd.toml has a commented one):
     learner = "gp"
     explore = true
     pool_users = ["root", "postgres"]   # users whose processes share what is learned
+    fleet = "postgresql://hakmem_host_web1@db.example/hakmem"   # share with other hosts (fleet.py)
 
     [programs."/usr/sbin/nginx"]  # by executable path or base name
     objective = "budget=256MiB"
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pwd
+import re
 import tomllib
 
 from .objective import DEFAULT_LAMBDA, Objective, ObjectiveError
@@ -127,6 +129,11 @@ class Config:
     metrics: str | None = None          # Prometheus endpoint, HOST:PORT ("": 127.0.0.1:9711); None: off
     screen: bool = True                 # rank a cold program's candidates by replaying a trace of it (screen.py)
     screen_jobs: int = 24               # at most this many replays at once while screening; fewer where memory is short (screen.py jobs_for)
+    fleet: str | None = None            # PostgreSQL URL of the fleet store (fleet.py); None: this host learns alone
+    fleet_pull: float = 5.0             # seconds between pulls of the fleet's offers
+    fleet_class: str | None = None      # the host's hardware class; None: from its CPUs and memory (fleet.hw_class)
+    fleet_k: int = 3                    # `hakmem fleet migrate`: hosts that must agree before a policy is offered
+    fleet_canary: float = 0.10          # `hakmem fleet migrate`: the share of a class's hosts that get it first
 
     def for_program(self, exe: str) -> ProgramConfig:
         return self.programs.get(exe) or self.programs.get(os.path.basename(exe)) or ProgramConfig()
@@ -140,7 +147,8 @@ class Config:
 
 _KEYS = {"db": str, "shm_dir": str, "run_dir": str, "sample_period": float, "discover_period": float,
          "objective": str, "learner": str, "explore": bool, "retain_every": float, "raw_hours": float,
-         "keep_days": float, "max_windows": int, "metrics": str, "screen": bool, "screen_jobs": int}
+         "keep_days": float, "max_windows": int, "metrics": str, "screen": bool, "screen_jobs": int,
+         "fleet": str, "fleet_pull": float, "fleet_class": str, "fleet_k": int, "fleet_canary": float}
 
 
 def _objective(text, where):
@@ -203,6 +211,16 @@ def load(path: str | None = None, **flags) -> Config:
             raise ConfigError(f"{k} must be between 0.01 and 3600 seconds, got {values[k]}")
     if "screen_jobs" in values and not 1 <= values["screen_jobs"] <= 64:
         raise ConfigError(f"{path}: screen_jobs must be between 1 and 64, got {values['screen_jobs']}")
+    at = f"{path}: " if path else ""
+    if "fleet_pull" in values and not 0.1 <= values["fleet_pull"] <= 3600:
+        raise ConfigError(f"{at}fleet_pull must be between 0.1 and 3600 seconds, got {values['fleet_pull']}")
+    if "fleet_k" in values and not 1 <= values["fleet_k"] <= 10_000:
+        raise ConfigError(f"{at}fleet_k must be between 1 and 10000 hosts, got {values['fleet_k']}")
+    if "fleet_canary" in values and not 0.0 <= values["fleet_canary"] <= 1.0:
+        raise ConfigError(f"{at}fleet_canary must be a fraction between 0 and 1, got {values['fleet_canary']}")
+    if values.get("fleet") is not None and not re.match(r"^postgres(ql)?://", values["fleet"]):
+        # Not the text itself: a URL may hold a password.
+        raise ConfigError(f"{at}fleet must be a PostgreSQL URL (postgresql://ROLE@HOST/DB)")
     if values.get("metrics") is not None:
         from .metrics import MetricsError, parse_addr
         try:

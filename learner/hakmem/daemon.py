@@ -208,6 +208,7 @@ class Program:
     last_seen: float = 0.0
     last_window: Window | None = None
     screen: object = None            # screen.Screen while a screening is under way
+    fleet_prior: dict | None = None  # the fleet's policy it started from, until the local A/B judged it
     fault: str | None = None         # why its learning stopped (Daemon.guard), until its processes restart
 
     @property
@@ -245,6 +246,7 @@ class Daemon:
         self.next_slow_note = 0.0
         self.fd_budget(raise_nofile(0))      # main() raises the limit first; here it is only read
         self.by_uid: dict[int, int] = {}     # processes tracked per owner (each holds a descriptor)
+        self.fleet = None                    # fleet.FleetLink with --fleet (main starts it)
         from .learners import LEARNERS
         self.learners = LEARNERS
         if cfg.learner not in LEARNERS:
@@ -347,6 +349,8 @@ class Daemon:
     def close(self):
         if self.metrics is not None:
             self.metrics.close()
+        if self.fleet is not None:
+            self.fleet.close()       # what it did not push waits in the outbox for the next start
         if self.kernel is not None:
             self.kernel.stop()
         for prog in self.programs.values():
@@ -735,7 +739,18 @@ class Daemon:
         prog.learner = self.learners[name]()
         prog.ctx = Context.from_header(prog.key, prog.header, prog.default, prog.objective,
                                        sample_period_s=self.cfg.sample_period, explore=explore)
-        incumbent = chosen["knobs"] if chosen else prog.default
+        # A program new to this host starts from the fleet's policy when the
+        # fleet offers one; the local A/B against the default decides.
+        prog.fleet_prior = None
+        offer = None
+        if chosen is None and explore and self.fleet is not None and hasattr(prog.learner, "challenge"):
+            offer = self._fleet_offer(prog, p)
+        if offer is not None:
+            prog.fleet_prior = canonical(offer.knobs)
+            self.fleet.adopted += 1
+            self.writes.add(lambda s, k=prog.fleet_prior: s.policy(prog.program_id, k, "learned",
+                                                                   note="from the fleet"))
+        incumbent = chosen["knobs"] if chosen else (prog.fleet_prior or prog.default)
         history = []
         try:
             if prog.program_id is not None and not prog.pinned:
@@ -758,6 +773,10 @@ class Daemon:
         dec = prog.learner.start(prog.ctx, incumbent, history)
         if mixes:
             prog.learner.remember(mixes)
+        if offer is not None:
+            prog.learner.challenge(prog.default, "the default against the fleet's policy")
+            self.event("fleet_start", f"the fleet's policy applied at start ({offer.describe()}); the local A/B "
+                                      f"against the default decides", prog, p.pid, knobs=offer.knobs)
         if dec is not None:
             self._decide(prog, dec)
         elif prog.target is None:
@@ -766,9 +785,25 @@ class Daemon:
         # A program is screened once per objective: cold, and warm until a
         # screening of it has ranked (a cold run cut short, or one whose
         # screening failed, left a stored policy and no ranking).
-        if explore and self.cfg.screen and hasattr(prog.learner, "screened") and \
+        if explore and self.cfg.screen and hasattr(prog.learner, "screened") and offer is None and \
                 (chosen is None or not self._screened_before(prog)):
             self._start_screen(prog)
+
+    def _fleet_offer(self, prog: Program, p: Proc):
+        """The fleet's offer for this program if it fits the allocator's bounds
+        (a host of the fleet may push anything: one host's outlier is never
+        applied outside them)."""
+        offer = self.fleet.offer(prog.build_id, prog.exe, prog.users)
+        if offer is None:
+            return None
+        from .knobs import Bounds, Knobs, KnobsError
+        try:
+            Knobs.of(offer.knobs).check(Bounds.from_header(prog.header), prog.class_size)
+        except (KnobsError, KeyError, TypeError, ValueError) as e:
+            self.event("error", f"the fleet's policy is outside the allocator's bounds ({e}): not applied", prog,
+                       p.pid, level="warning")
+            return None
+        return offer
 
     def _screened_before(self, prog: Program) -> bool:
         try:
@@ -873,16 +908,43 @@ class Daemon:
         learner = prog.learner_name
         mix = prog.last_window.mix() if prog.last_window is not None else None
         origin = "pinned" if prog.pinned else ("default" if same(ev.knobs, prog.default) else "learned")
+        body, kept_prior = None, False
+        if self.fleet is not None and prog.default is not None:
+            from .fleet import outbox_evaluation, program_ident
+            # A trial of the fleet's policy against the default, either way
+            # round, is the fleet's (a canary's verdict); the rest is this
+            # host's own search.
+            fp = prog.fleet_prior
+            trial = fp is not None and ev.baseline_knobs is not None and (
+                (same(ev.knobs, fp) and same(ev.baseline_knobs, prog.default)) or
+                (same(ev.knobs, prog.default) and same(ev.baseline_knobs, fp)))
+            body = outbox_evaluation(program_ident(prog.exe, prog.build_id, prog.users), ev, prog.default,
+                                     "fleet" if trial else "local", learner, obj)
+            # The default challenged the fleet's policy and did not win: the
+            # fleet's policy is this host's best now.
+            kept_prior = trial and same(ev.knobs, prog.default) and ev.verdict in ("rejected", "rolled_back")
 
         def op(store: Store):
             pid_ = store.policy(prog.program_id, ev.knobs, origin)
             base = store.policy(prog.program_id, ev.baseline_knobs, "learned" if not same(ev.baseline_knobs, prog.default)
                                 else "default") if ev.baseline_knobs is not None else None
-            store.add_evaluation(prog.program_id, pid_, ev, learner, obj, base)
-            if ev.verdict == "accepted" or (ev.verdict == "measured" and store.chosen(prog.program_id) is None
-                                            and not prog.pinned):
-                store.set_best(prog.program_id, pid_, mix)
+            store.add_evaluation(prog.program_id, pid_, ev, learner, obj, base, fleet_body=body)
+            if kept_prior and base is not None:
+                self._set_best(store, prog, base, ev.baseline_knobs, mix)
+            elif ev.verdict == "accepted" or (ev.verdict == "measured" and store.chosen(prog.program_id) is None
+                                              and not prog.pinned):
+                self._set_best(store, prog, pid_, ev.knobs, mix)
         self.writes.add(op)
+
+    def _set_best(self, store: Store, prog: Program, policy_id, knobs, mix):
+        store.set_best(prog.program_id, policy_id, mix)
+        if self.fleet is not None:
+            from .fleet import program_ident
+            fp = prog.fleet_prior
+            origin = "fleet" if fp is not None and same(knobs, fp) else \
+                ("default" if same(knobs, prog.default) else "learned")
+            store.fleet_queue("best", {"program": program_ident(prog.exe, prog.build_id, prog.users),
+                                       "knobs": canonical(knobs), "origin": origin, "t": self.clock.time()})
 
     def _flush_learner(self, prog: Program):
         if prog.learner is None:
@@ -1088,6 +1150,9 @@ class Daemon:
             t0 = time.monotonic()
             self.writes.flush()
             self._took("writing to the store", t0)
+        if self.fleet is not None:
+            with self.guard(None, "exchanging with the fleet"):
+                self.fleet.turn(self.writes)
         if now >= self.next_retain:
             t0 = time.monotonic()
             self.next_retain = now + self.cfg.retain_every
@@ -1139,6 +1204,8 @@ class Daemon:
             out.append(f"{self.writes.dropped} writes dropped (memory bound reached)")
         if self.writes.broken:
             out.append(f"{self.writes.broken} writes dropped after an internal error")
+        if self.fleet is not None and not self.fleet.up and self.fleet.last_error:
+            out.append(f"fleet unreachable ({self.fleet.last_error}): {self.fleet.backlog} rows wait to be pushed")
         return out
 
 
@@ -1165,6 +1232,8 @@ def _live_backend(d: Daemon):
             st.warnings.extend(d.status_warnings())
             if d.kernel is not None:
                 d.kernel.describe(st)
+            if d.fleet is not None:
+                st.fleet = d.fleet.line()
             return st
 
         def live_processes(self):
@@ -1307,6 +1376,13 @@ def build_parser():
     p.add_argument("--metrics", metavar="ADDR", nargs="?", const="",
                    help="serve Prometheus metrics at http://ADDR/metrics: PORT, HOST:PORT or [V6]:PORT; "
                         "alone: 127.0.0.1:9711 (see hakmem/metrics.py for what is exported)")
+    p.add_argument("--fleet", metavar="URL",
+                   help="share evaluations and best policies with other hosts through PostgreSQL "
+                        "(postgresql://ROLE@HOST/DB; the role made by `hakmem fleet add-host`)")
+    p.add_argument("--fleet-pull", type=float, metavar="S", help="seconds between pulls of the fleet's offers "
+                                                                "(default 5)")
+    p.add_argument("--fleet-class", metavar="CLASS", help="this host's hardware class in the fleet (default: "
+                                                          "from its CPUs and memory, e.g. c2-m16)")
     p.add_argument("--once", action="store_true", help="run one turn and exit (for tests)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug lines too")
     p.add_argument("--version", action="version", version=f"hakmem-learnd {__version__}")
@@ -1324,7 +1400,7 @@ def main(argv=None):
         cfg = load(args.config, db=args.db, shm_dir=args.shm_dir, run_dir=args.run_dir,
                    sample_period=args.sample_period, objective=args.objective, learner=args.learner,
                    explore=args.explore, pool_users=args.pool_users, metrics=args.metrics,
-                   screen=args.screen)
+                   screen=args.screen, fleet=args.fleet, fleet_pull=args.fleet_pull, fleet_class=args.fleet_class)
     except ConfigError as e:
         return fail(str(e))
     try:
@@ -1359,6 +1435,14 @@ def main(argv=None):
         d.open_endpoints()
         from .kernel import KernelSource      # hakmem-bpf when it may, else /proc (issue 16)
         d.kernel = KernelSource(cfg.run_dir, log, d.zctx, d.clock).start()
+        if cfg.fleet is not None:
+            from .fleet import FleetError, FleetLink, redact
+            try:
+                d.fleet = FleetLink(cfg.fleet, store, log, pull_every=cfg.fleet_pull, klass=cfg.fleet_class,
+                                    version=__version__)
+            except (FleetError, StoreError) as e:
+                d.close()
+                return fail(f"fleet: {e}")
         if cfg.metrics is not None:
             from .metrics import Metrics, MetricsError
             try:
@@ -1378,7 +1462,8 @@ def main(argv=None):
                 f"{'' if cfg.objective_explicit else ' (or the cgroup memory limit)'}, "
                 f"fault {d.prices.fault_s * 1e6:.2f} us, syscall {d.prices.syscall_s * 1e6:.2f} us, "
                 f"{d.nofile} descriptors (up to {d.max_tracked} processes tracked)"
-                f"{f', metrics {d.metrics.url}' if d.metrics is not None else ''}")
+                f"{f', metrics {d.metrics.url}' if d.metrics is not None else ''}"
+                + (f", fleet {redact(cfg.fleet)}" if d.fleet is not None else ""))
     try:
         if args.once:
             d.turn(wait=False)

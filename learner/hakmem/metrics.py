@@ -25,6 +25,11 @@ process-wide default registry, so no other library's metrics leak in):
     hakmem_learnd_internal_errors_total (failures contained by learnd's
     guards: each is a bug), hakmem_learnd_metrics_clients_dropped_total{why=
     evicted|timeout|bad_request} (this endpoint's own bounds at work)
+  fleet         (with --fleet, fleet.py) hakmem_fleet_up, hakmem_fleet_backlog,
+    hakmem_fleet_pushed_evaluations_total, hakmem_fleet_push_batches_total,
+    hakmem_fleet_pulls_total, hakmem_fleet_errors_total,
+    hakmem_fleet_dropped_total, hakmem_fleet_offers,
+    hakmem_fleet_adopted_total (programs started from the fleet's policy)
 
 THREADS. One thread of its own serves HTTP (_Server: non-blocking sockets
 and one epoll loop); the daemon's state is only ever read by the daemon's
@@ -380,6 +385,25 @@ class Metrics:
                                             value=daemon.writes.dropped))
             fams.append(CounterMetricFamily("hakmem_learnd_internal_errors", "failures learnd's guards contained "
                                             "(each one a bug: see the log)", value=daemon.internal_errors))
+            if daemon.fleet is not None:
+                fl = daemon.fleet
+                fams.append(GaugeMetricFamily("hakmem_fleet_up", "1 when the last exchange with the fleet "
+                                              "database succeeded", value=1 if fl.up else 0))
+                fams.append(GaugeMetricFamily("hakmem_fleet_backlog", "rows waiting in the outbox to be pushed",
+                                              value=fl.backlog))
+                fams.append(CounterMetricFamily("hakmem_fleet_pushed_evaluations", "evaluations the fleet "
+                                                "database took (new ones: a batch sent again counts once)",
+                                                value=fl.pushed))
+                fams.append(CounterMetricFamily("hakmem_fleet_push_batches", "batches pushed", value=fl.push_batches))
+                fams.append(CounterMetricFamily("hakmem_fleet_pulls", "pulls of the fleet's offers", value=fl.pulls))
+                fams.append(CounterMetricFamily("hakmem_fleet_errors", "exchanges with the fleet that failed",
+                                                value=fl.errors))
+                fams.append(CounterMetricFamily("hakmem_fleet_dropped", "plain measurements dropped from a full "
+                                                "outbox", value=fl.dropped))
+                fams.append(GaugeMetricFamily("hakmem_fleet_offers", "programs the fleet offers this host a policy "
+                                              "for", value=len(fl.offers)))
+                fams.append(CounterMetricFamily("hakmem_fleet_adopted", "programs started from the fleet's policy",
+                                                value=fl.adopted))
         if self.server is not None:
             drop = CounterMetricFamily("hakmem_learnd_metrics_clients_dropped",
                                        "connections to this endpoint closed unanswered by its bounds",

@@ -302,8 +302,10 @@ class Store:
         return len(vals)
 
     def add_evaluation(self, program_id, policy_id, ev: Evaluation, learner, objective,
-                       baseline_policy_id=None) -> int:
-        """Stores a verdict and folds its windows into the policy's measured objective."""
+                       baseline_policy_id=None, fleet_body=None) -> int:
+        """Stores a verdict and folds its windows into the policy's measured
+        objective; with fleet_body, queues it for the fleet in the same
+        transaction (fleet.py: nothing stored is left unpushed)."""
         with self.tx() as db:
             eid = db.execute(
                 "INSERT INTO evaluations (program_id, policy_id, t_start, t_end, windows, cost_mean, cost_sd, "
@@ -312,6 +314,8 @@ class Store:
                 (program_id, policy_id, ev.t_start, ev.t_end, ev.windows, ev.cost_mean, ev.cost_sd, ev.time_cost,
                  ev.mem_cost, baseline_policy_id, ev.baseline_cost, ev.verdict, learner, objective)).lastrowid
             self._refresh_objective(db, policy_id, objective)
+            if fleet_body is not None:
+                self.fleet_queue("evaluation", fleet_body, ev.verdict)
             return eid
 
     @staticmethod
@@ -480,6 +484,51 @@ class Store:
 
     def windows_count(self) -> int:
         return self.db.execute("SELECT count(*) FROM windows").fetchone()[0]
+
+    # ---- the fleet's outbox (fleet.py) ---------------------------------------
+    def fleet_epoch(self) -> str:
+        """This file's epoch for the fleet: made once, kept."""
+        row = self.db.execute("SELECT value FROM fleet_meta WHERE name = 'epoch'").fetchone()
+        if row:
+            return row[0]
+        import uuid
+        with self.tx() as db:
+            db.execute("INSERT OR IGNORE INTO fleet_meta VALUES ('epoch', ?)", (uuid.uuid4().hex,))
+        return self.db.execute("SELECT value FROM fleet_meta WHERE name = 'epoch'").fetchone()[0]
+
+    def fleet_queue(self, kind: str, body: dict, verdict: str | None = None, now=None) -> None:
+        """Queues a row; inside the caller's transaction when there is one."""
+        now = time.time() if now is None else now
+        args = (kind, json.dumps(body, separators=(",", ":")), verdict, now)
+        q = "INSERT INTO fleet_outbox (kind, body, verdict, created) VALUES (?, ?, ?, ?)"
+        if self.db.in_transaction:
+            self.db.execute(q, args)
+        else:
+            with self.tx() as db:
+                db.execute(q, args)
+
+    def fleet_outbox(self, after=0, limit=500) -> list[tuple[int, str, dict]]:
+        rows = self.db.execute("SELECT seq, kind, body FROM fleet_outbox WHERE seq > ? ORDER BY seq LIMIT ?",
+                               (after, limit)).fetchall()
+        return [(r[0], r[1], json.loads(r[2])) for r in rows]
+
+    def fleet_backlog(self) -> int:
+        return self.db.execute("SELECT count(*) FROM fleet_outbox").fetchone()[0]
+
+    def fleet_sent(self, upto: int) -> None:
+        with self.tx() as db:
+            db.execute("DELETE FROM fleet_outbox WHERE seq <= ?", (upto,))
+
+    def fleet_bound(self, most: int) -> int:
+        """Keeps the outbox at `most` rows, dropping the oldest plain
+        measurements first (never a verdict or a best policy); returns how
+        many it dropped."""
+        over = self.fleet_backlog() - most
+        if over <= 0:
+            return 0
+        with self.tx() as db:
+            return db.execute("DELETE FROM fleet_outbox WHERE seq IN (SELECT seq FROM fleet_outbox "
+                              "WHERE verdict = 'measured' ORDER BY seq LIMIT ?)", (over,)).rowcount
 
 
 def program_key(exe, build_id, users) -> str:

@@ -91,9 +91,15 @@ def test_an_objective_flag_alone_is_explicit():
     ("explore = 'no'", "explore must be a bool, got 'no'"),
     ("learner = 3", "learner must be a str, got 3"),
     ("objective = 'budget=lots'", "objective 'budget=lots': 'lots' is not a size (examples: 4096, 512MiB, 2GiB)"),
-    ("sampel_period = 1", "unknown key 'sampel_period' (known: db, discover_period, explore, keep_days, learner, "
-                          "max_windows, metrics, objective, raw_hours, retain_every, run_dir, sample_period, "
-                          "screen, screen_jobs, shm_dir, pool_users, programs)"),
+    ("sampel_period = 1", "unknown key 'sampel_period' (known: db, discover_period, explore, fleet, fleet_canary, "
+                          "fleet_class, fleet_k, fleet_pull, keep_days, learner, max_windows, metrics, objective, "
+                          "raw_hours, retain_every, run_dir, sample_period, screen, screen_jobs, shm_dir, "
+                          "pool_users, programs)"),
+    ("fleet = 'mysql://u:secret@h/db'", "fleet must be a PostgreSQL URL (postgresql://ROLE@HOST/DB)"),
+    ("fleet_pull = 0", "fleet_pull must be between 0.1 and 3600 seconds, got 0.0"),
+    ("fleet_k = 0", "fleet_k must be between 1 and 10000 hosts, got 0"),
+    ("fleet_canary = 1.5", "fleet_canary must be a fraction between 0 and 1, got 1.5"),
+    ("fleet_class = 3", "fleet_class must be a str, got 3"),
     ("screen_jobs = 0", "screen_jobs must be between 1 and 64, got 0"),
     ("screen = 1", "screen must be a bool, got 1"),
     ("metrics = 'somewhere:80'", "metrics address 'somewhere:80': 'somewhere' is not an IP address"),

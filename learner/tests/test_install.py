@@ -33,7 +33,7 @@ import pytest
 from conftest import ROOT, clean_env, scaled, wait_for
 
 # What the package is built from (pyproject.toml's view of the checkout).
-SOURCES = ("pyproject.toml", "setup.py", "proto", "schemas/sql", "learner/hakmem")
+SOURCES = ("pyproject.toml", "setup.py", "proto", "schemas/sql", "schemas/fleet", "learner/hakmem")
 
 
 def _copy_sources(dst):
@@ -89,19 +89,22 @@ def installed():
 
 def test_the_wheel_holds_its_migrations_and_messages(installed):
     venv, env, work = installed
-    probe = ("import json, pkgutil, sys, hakmem, hakmem.store as s, hakmem._pb.hakmem_pb2 as pb\n"
+    probe = ("import json, pkgutil, sys, hakmem, hakmem.store as s, hakmem.fleet as f, hakmem._pb.hakmem_pb2 as pb\n"
              "for m in pkgutil.walk_packages(hakmem.__path__, 'hakmem.'):\n"
              "    if not m.name.endswith('__main__'):\n"
              "        __import__(m.name)\n"
              "mods = {n: getattr(m, '__file__', None) for n, m in sys.modules.items() if n.startswith('hakmem')}\n"
              "print(json.dumps({'file': hakmem.__file__, 'schema': str(s.SCHEMA_DIR), 'mods': mods,\n"
              "                  'migrations': [v for v, _, _ in s.migrations()],\n"
+             "                  'fleet': [v for v, _, _ in f.migrations()],\n"
              "                  'messages': sorted(pb.DESCRIPTOR.message_types_by_name)[:3]}))\n")
     out = json.loads(_run([venv / "bin" / "python", "-c", probe], work, env).stdout)
     inside = str(venv.resolve())
     assert out["file"].startswith(inside), out["file"]
     assert out["schema"].startswith(inside) and out["migrations"] == list(range(1, len(out["migrations"]) + 1))
     assert len(out["migrations"]) == len(list((ROOT / "schemas" / "sql").glob("[0-9]*.sql")))
+    assert out["fleet"] == list(range(1, len(list((ROOT / "schemas" / "fleet").glob("[0-9]*.sql"))) + 1)), out
+
     assert out["messages"], out
     assert "hakmem.cli.policy" in out["mods"] and "hakmem.backend" in out["mods"]
     outside = {n: f for n, f in out["mods"].items() if f and not f.startswith(inside)}

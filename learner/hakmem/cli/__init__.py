@@ -322,7 +322,70 @@ def build_parser():
     _add_learnd_commands(sub)
     _add_trace_commands(sub)
     _add_replay_commands(sub)
+    _add_fleet_commands(sub)
     return p
+
+
+def _add_fleet_commands(sub):
+    url = argparse.ArgumentParser(add_help=False)
+    url.add_argument("--url", metavar="URL", help="the fleet database, postgresql://ROLE@HOST/DB (default "
+                                                  "$HAKMEM_FLEET_URL, else `fleet` in --config)")
+    url.add_argument("--config", metavar="FILE", help="learnd's TOML file: its fleet, fleet_k and fleet_canary")
+    fl = sub.add_parser("fleet", help="the fleet of hosts sharing what they learn through PostgreSQL",
+                        description="Hosts run hakmem-learnd --fleet URL, each as a database role of its own. "
+                                    "migrate and add-host/exclude/include need the database's owner; the rest "
+                                    "reads, as any host or the owner.")
+    fs = fl.add_subparsers(dest="fleet_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    fs.required = True
+
+    mi = fs.add_parser("migrate", parents=[url], help="create or update the fleet schema (the owner)",
+                       description="Applies the fleet's migrations (schemas/fleet/) that the database lacks, "
+                                   "each in one transaction, then the settings given (or fleet_k and "
+                                   "fleet_canary from --config).")
+    mi.add_argument("--k", type=int, metavar="N", help="hosts that must measure a policy better than their "
+                                                       "default before it is offered (default 3)")
+    mi.add_argument("--canary", type=float, metavar="FRACTION",
+                    help="the share of a class's hosts a new fleet policy reaches first (default 0.10)")
+    mi.add_argument("--confirm", type=int, metavar="N", help="canaries that must keep it before the rest get it "
+                                                             "(default 1)")
+    _json_arg(mi)
+    mi.set_defaults(func=("fleet", "cmd_migrate"))
+
+    ah = fs.add_parser("add-host", parents=[url], help="a host's database role and its row (the owner)",
+                       description="Makes the role hakmem_host_<HOST> (a member of hakmem_host) that the "
+                                   "host's learnd connects as; with --password-file, sets its password.")
+    ah.add_argument("host", metavar="HOST")
+    ah.add_argument("--password-file", metavar="FILE", help="the role's password, the file's first line")
+    _json_arg(ah)
+    ah.set_defaults(func=("fleet", "cmd_add_host"))
+
+    for name, what in (("exclude", "count nothing a host pushed (the owner)"),
+                       ("include", "count a host's rows again (the owner)")):
+        x = fs.add_parser(name, parents=[url], help=what)
+        x.add_argument("host", metavar="HOST")
+        if name == "exclude":
+            x.add_argument("--why", help="a note kept with the exclusion")
+        _json_arg(x)
+        x.set_defaults(func=("fleet", f"cmd_{name}"))
+
+    st = fs.add_parser("status", parents=[url], help="the fleet's size, schema and settings")
+    _json_arg(st)
+    st.set_defaults(func=("fleet", "cmd_status"))
+
+    ho = fs.add_parser("hosts", parents=[url], help="every host: last seen, what it pushed, whether it is an outlier",
+                       description="An outlier is a host whose own verdicts disagree with the other hosts' "
+                                   "on the same policies more often than not (3 compared at least).")
+    _json_arg(ho)
+    ho.set_defaults(func=("fleet", "cmd_hosts"))
+
+    pg = fs.add_parser("programs", parents=[url], help="the programs hosts pushed evaluations of")
+    _json_arg(pg)
+    pg.set_defaults(func=("fleet", "cmd_programs"))
+
+    po = fs.add_parser("policy", parents=[url], help="where each policy of a program stands in the fleet")
+    po.add_argument("program", metavar="PROGRAM", help="a fleet program id, an executable name, or NAME@BUILD_ID")
+    _json_arg(po)
+    po.set_defaults(func=("fleet", "cmd_policy"))
 
 
 

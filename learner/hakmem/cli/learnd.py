@@ -115,6 +115,8 @@ def cmd_status(args):
         if st.kernel_source:
             print(f"kernel-side cost: {st.kernel_source}, {st.kernel_why}"
                   + (f", restarted {st.kernel_restarts} times" if st.kernel_restarts else ""))
+        if st.fleet:
+            print(f"fleet: {st.fleet}")
     else:
         print(f"hakmem-learnd is not running; read from {st.db_path}")
         print(f"{len(progs)} programs known, {st.windows_stored} windows stored, {st.processes} of their "

@@ -218,6 +218,18 @@ class GPLearner(Reporting):
         # settles at the next proposal); without one, the search is blind.
         self._screen = queue if ranked else "done"
 
+    def challenge(self, knobs, why: str) -> None:
+        """learnd started the program from a policy it never measured here
+        (the fleet's, fleet.py): after the warm-up, knobs (the default) is
+        tried against it in an A/B trial, as a screened candidate is, and
+        nothing else is tried. The default taking over is the fleet's
+        policy rejected on this host; the default rejected or rolled back,
+        it is kept."""
+        if self.ctx is None:
+            return
+        self._screen = [_Cand(x=np.zeros(0), knobs=self.ctx.clamp(knobs), why=why)]
+        self._screen_note = ""
+
     def observe(self, w: Window) -> Decision | None:
         if self.ctx is None:
             raise RuntimeError("observe() before start()")

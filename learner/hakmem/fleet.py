@@ -492,6 +492,8 @@ class FleetLink:
         self._next_bound = 0.0
         self._busy = False
         self._sent_upto = 0                     # outbox rows up to here are with the worker or pushed
+        self._batch = BATCH                     # halved after a failed push: a batch too big for the
+                                                # statement timeout must not fail forever
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -571,7 +573,7 @@ class FleetLink:
             self._jobs.put(("pull",))
             return
         try:
-            rows = self.store.fleet_outbox(after=self._sent_upto, limit=BATCH)
+            rows = self.store.fleet_outbox(after=self._sent_upto, limit=self._batch)
             self.backlog = self.store.fleet_backlog()
         except Exception as e:
             self._note(now, f"cannot read the fleet outbox: {e}")
@@ -595,6 +597,8 @@ class FleetLink:
             self.up = False
             self.last_error = msg[2]
             self._sent_upto = 0            # what was in flight is sent again (idempotent)
+            if msg[1] == "push":
+                self._batch = max(BATCH_MIN, self._batch // 2)
             self._next_try = now + self._backoff
             self._backoff = min(self._backoff * 2, 30.0)
             self._note(now, f"fleet: {msg[1]} failed: {msg[2]}; learning goes on locally, "
@@ -604,6 +608,7 @@ class FleetLink:
             self.log("info", f"fleet: {redact(self.url)} reachable again")
         self.up, self._backoff = True, 1.0
         if kind == "pushed":
+            self._batch = min(BATCH, self._batch * 2)
             upto, new = msg[1], msg[2]
             self.pushed += new
             self.push_batches += 1

@@ -423,3 +423,48 @@ def test_a_database_not_migrated_is_said_once_and_learnd_learns_on(cluster, tmp_
     assert db_rows(d.db, "SELECT count(*) FROM fleet_outbox WHERE kind = 'evaluation'")[0][0] == \
         db_rows(d.db, "SELECT count(*) FROM evaluations")[0][0] > 0
     f.close()
+
+
+def test_a_database_that_never_answers_costs_learnds_turn_nothing(tmp_path):
+    """learnd never waits on the network: a server that takes the connection
+    and never answers holds the worker thread for its connect timeout, while
+    the daemon's turns stay as short as without a fleet, and the batches it
+    hands over shrink after each failed push."""
+    import socket
+    from hakmem.store import Store
+
+    sock_dir = tmp_path / "pg"
+    sock_dir.mkdir()
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(str(sock_dir / ".s.PGSQL.5432"))
+    silent.listen(64)                       # taken into the backlog, never accepted, never answered
+    store = Store(tmp_path / "learn.db")
+    for i in range(F.BATCH + 5):
+        store.fleet_queue("evaluation", {"n": i}, "measured")
+    logs = []
+    link = F.FleetLink(f"postgresql://hakmem_host_a:secret@/fleet?host={sock_dir}", store,
+                       lambda level, msg: logs.append((level, msg)), pull_every=1000, klass=CLASS)
+
+    class Writes:
+        def add(self, op):
+            op(store)
+    try:
+        link._backoff = 0.0                 # try again at once: several failed pushes within the test
+        worst, t_end = 0.0, time.monotonic() + scaled(8)
+        while time.monotonic() < t_end and link.errors < 3:
+            t0 = time.monotonic()
+            link.turn(Writes())
+            worst = max(worst, time.monotonic() - t0)
+            link._backoff = min(link._backoff, 0.1)
+            time.sleep(0.01)
+        assert link.errors >= 2, (link.errors, logs)
+        assert worst < 0.05, worst
+        assert not link.up and "timeout" in link.last_error.lower(), link.last_error
+        assert len([m for _, m in logs if m.startswith("fleet: ")]) == 1, logs     # one line a minute
+        assert all("secret" not in m for _, m in logs)
+        assert link._batch < F.BATCH, link._batch
+        assert store.fleet_backlog() == F.BATCH + 5     # nothing lost
+    finally:
+        link.close(timeout=0.1)
+        silent.close()
+        store.close()

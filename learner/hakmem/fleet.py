@@ -364,20 +364,27 @@ class FleetDB:
         disagree with the other hosts' on the same policy (an outlier: a
         host whose measurements the rest of the fleet does not reproduce)."""
         def q(cur):
+            # Set-based: per policy the non-excluded hosts' verdict counts,
+            # then per host's verdict the others' (its own taken out) and
+            # their most common verdict (ties: better, within, worse).
             cur.execute("""
-              WITH v AS (SELECT v.*, h.excluded FROM hakmem.verdicts v JOIN hakmem.hosts h USING (host_id)
-                         WHERE v.source = 'local'),
+              WITH v AS (SELECT v.host_id, v.program_id, v.knobs, v.vs_default, h.excluded IS NULL AS counted
+                         FROM hakmem.verdicts v JOIN hakmem.hosts h USING (host_id) WHERE v.source = 'local'),
+              n AS (SELECT program_id, knobs,
+                           count(*) FILTER (WHERE vs_default = 'better') AS b,
+                           count(*) FILTER (WHERE vs_default = 'within') AS w,
+                           count(*) FILTER (WHERE vs_default = 'worse') AS x
+                    FROM v WHERE counted GROUP BY program_id, knobs),
+              o AS (SELECT v.host_id, v.vs_default,
+                           n.b - (v.counted AND v.vs_default = 'better')::int AS b,
+                           n.w - (v.counted AND v.vs_default = 'within')::int AS w,
+                           n.x - (v.counted AND v.vs_default = 'worse')::int AS x
+                    FROM v JOIN n USING (program_id, knobs)),
               cmp AS (
-                SELECT a.host_id,
-                       count(*) AS compared,
-                       count(*) FILTER (WHERE a.vs_default <> (
-                         SELECT mode() WITHIN GROUP (ORDER BY b.vs_default) FROM v b
-                         WHERE b.program_id = a.program_id AND b.knobs = a.knobs AND b.host_id <> a.host_id
-                           AND b.excluded IS NULL)) AS disagree
-                FROM v a
-                WHERE (SELECT count(*) FROM v b WHERE b.program_id = a.program_id AND b.knobs = a.knobs
-                       AND b.host_id <> a.host_id AND b.excluded IS NULL) >= 2
-                GROUP BY a.host_id)
+                SELECT host_id, count(*) AS compared,
+                       count(*) FILTER (WHERE vs_default <> CASE WHEN b >= w AND b >= x THEN 'better'
+                                                                 WHEN w >= x THEN 'within' ELSE 'worse' END) AS disagree
+                FROM o WHERE b + w + x >= 2 GROUP BY host_id)
               SELECT h.host_id, h.role, h.hw_class, h.version, extract(epoch FROM h.last_seen),
                      extract(epoch FROM h.excluded), h.excluded_why,
                      (SELECT count(*) FROM hakmem.evaluations e WHERE e.host_id = h.host_id),

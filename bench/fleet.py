@@ -665,6 +665,9 @@ def run_size(a, ids, n, settings) -> dict:
         if errors:
             say(f"{n} hosts: {sum(errors.values())} seed pushes failed and were sent again in smaller batches: "
                 + "; ".join(errors))
+        # The standings the seed marked, recomputed now (the hosts' own pulls
+        # and pushes would, a second later): the canaries then see them.
+        owner.settle_all()
         rs = workers.phase(("canary",), slack + n * 2)
         trials, errors = collections.Counter(), collections.Counter()
         for r in rs:
@@ -675,6 +678,7 @@ def run_size(a, ids, n, settings) -> dict:
         if errors:
             say(f"{n} hosts: {sum(errors.values())} canary-phase statements failed: " + "; ".join(errors))
         out["seed"]["wall_s"] = round(time.monotonic() - t, 3)
+        owner.settle_all()
         out["standing_before"] = standing(owner)
         out["slow_seed"] = slow_statements(cluster.text(), log_at)
         say(f"{n} hosts: seeded {out['seed']['evaluations']} evaluations of the hosts' own searches and "

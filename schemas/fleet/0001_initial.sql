@@ -153,7 +153,7 @@ CREATE TABLE hakmem.dirty (
 -- as the owner, deterministically from the evidence, so what one host can
 -- do is add its own vote.
 CREATE FUNCTION hakmem.restage(pid bigint) RETURNS void
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
   cls text;
   nh bigint;
@@ -176,10 +176,13 @@ BEGIN
            count(*) FILTER (WHERE source = 'local' AND vs_default = 'better') AS agree,
            count(*) FILTER (WHERE source = 'local' AND vs_default = 'worse') AS against,
            coalesce(array_agg(host_id) FILTER (WHERE source = 'local'), '{}') AS measured_by,
+           coalesce(array_agg(host_id) FILTER (WHERE source = 'fleet' AND vs_default IN ('better', 'within')),
+                    '{}') AS kept_by,
+           coalesce(array_agg(host_id) FILTER (WHERE source = 'fleet' AND vs_default = 'worse'), '{}') AS worse_by,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY rel)
              FILTER (WHERE source = 'local' AND vs_default = 'better') AS rel
     FROM v GROUP BY knobs),
-  c AS (
+  c AS MATERIALIZED (
     SELECT p.*, CASE WHEN p.agree >= k THEN ARRAY(
              SELECT h.host_id FROM hakmem.hosts h
              WHERE h.hw_class = cls AND h.excluded IS NULL AND h.host_id <> ALL (p.measured_by)
@@ -188,10 +191,8 @@ BEGIN
     FROM p),
   t AS (
     SELECT c.*,
-           (SELECT count(*) FROM v f WHERE f.knobs = c.knobs AND f.source = 'fleet' AND f.host_id = ANY(c.canaries)
-              AND f.vs_default IN ('better', 'within')) AS kept,
-           (SELECT count(*) FROM v f WHERE f.knobs = c.knobs AND f.source = 'fleet' AND f.host_id = ANY(c.canaries)
-              AND f.vs_default = 'worse') AS worse
+           (SELECT count(*) FROM unnest(c.kept_by) x WHERE x = ANY(c.canaries)) AS kept,
+           (SELECT count(*) FROM unnest(c.worse_by) x WHERE x = ANY(c.canaries)) AS worse
     FROM c)
   SELECT pid, t.knobs, t.agree, t.against, t.canaries, t.kept, t.worse, t.rel,
          CASE WHEN t.agree < k OR t.against >= t.agree THEN 'evidence'
@@ -217,7 +218,7 @@ $$;
 -- later, with that push's verdicts), and two settles never take one mark:
 -- no settle waits, and one program is recomputed by one at a time.
 CREATE FUNCTION hakmem.settle(p_max integer, p_age_ms integer) RETURNS integer
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
   pid bigint;
   n integer := 0;

@@ -494,6 +494,7 @@ def _run(sims, pullers, rng, cfg, t0, deadline):
                 got = p.pull()
                 pull_ms.append((time.perf_counter() - t) * 1e3)
                 offers.append(len(got))
+                p.db.settle()        # what learnd's worker does after its pull (not the pull's latency)
             except F.FleetError as e:
                 errors[f"pull: {e}"[:160]] += 1
                 _reconnect(p)

@@ -48,7 +48,7 @@ STATEMENT_TIMEOUT_MS = 5000
 BATCH = 500                  # outbox rows per push (halved after each failure, down to BATCH_MIN)
 BATCH_MIN = 10
 SETTLE_AGE_MS = 1000         # a program's standing is recomputed once its evidence is this old ...
-SETTLE_PER_CALL = 8          # ... at most this many programs by each push or pull (hakmem.settle)
+SETTLE_PER_CALL = 8          # ... at most this many programs after each push or pull (hakmem.settle)
 OUTBOX_MAX = 100_000         # rows kept while the database is away; older plain measurements go first
 ERROR_EVERY_S = 60.0         # one log line a minute while the fleet is away
 HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -329,7 +329,6 @@ class FleetDB:
     def offers(self, hw: str) -> dict:
         """{(build_id, exe_name, users): Offer} this host is offered."""
         def q(cur):
-            cur.execute("SELECT hakmem.settle(%s, %s)", (SETTLE_PER_CALL, self.settle_age_ms))
             cur.execute("SELECT build_id, exe_name, users, knobs, stage, agree, rel FROM hakmem.offers(%s)", (hw,))
             return {(b, e, u): Offer(knobs=k, stage=s, agree=a, rel=r) for b, e, u, k, s, a, r in cur.fetchall()}
         return self._run(q)
@@ -529,6 +528,7 @@ class FleetLink:
                     self._done.put(("pushed", upto, new))
                 elif job[0] == "pull":
                     self._done.put(("offers", db.offers(self.klass)))
+                    db.settle()     # the fleet's work, after this host's pull: its share of recomputing
             except FleetError as e:
                 self._done.put(("error", job[0], str(e)))
                 if db is not None:

@@ -242,6 +242,8 @@ def test_k_hosts_must_agree_and_one_poisoned_host_moves_nobody(fleet):
     f.verdict(hosts["a"], "a", X, "better")
     f.verdict(hosts["b"], "b", X, "better")
     assert f.offers(hosts["d"]) == {}
+    assert {(r["knobs"]["drain_ms"], r["stage"]) for r in f.owner.policy("work")} == \
+        {(50, "evidence"), (7, "evidence"), (10**9, "evidence")}
     # ... three are.
     f.verdict(hosts["c"], "c", X, "better")
     assert f.offers(hosts["d"]) == {"work": (X, "offered")}
@@ -468,4 +470,30 @@ def test_a_database_that_never_answers_costs_learnds_turn_nothing(tmp_path):
     finally:
         link.close(timeout=0.1)
         silent.close()
+        store.close()
+
+
+def test_the_outbox_gives_up_only_what_was_pushed_and_a_full_one_drops_plain_measurements_first(tmp_path):
+    from hakmem.store import Store
+    store = Store(tmp_path / "learn.db")
+    try:
+        epoch = store.fleet_epoch()
+        assert store.fleet_epoch() == epoch and len(epoch) == 32
+        for i, verdict in enumerate(["measured", "accepted", "measured", "measured", "rejected", "measured"]):
+            store.fleet_queue("evaluation", {"n": i}, verdict)
+        store.fleet_queue("best", {"n": 6})
+        rows = store.fleet_outbox(after=0, limit=3)
+        assert [body["n"] for _, _, body in rows] == [0, 1, 2]
+        # Pushed: the batch handed to the worker; what was queued since stays.
+        store.fleet_sent(rows[-1][0])
+        assert [body["n"] for _, _, body in store.fleet_outbox()] == [3, 4, 5, 6]
+        # Over its bound, the oldest plain measurements go; a verdict or a best policy never.
+        assert store.fleet_bound(2) == 2
+        assert [body["n"] for _, _, body in store.fleet_outbox()] == [4, 6]
+        assert store.fleet_bound(1) == 0
+        # seq never repeats, even once the rows before it are gone (the push's idempotency key).
+        store.fleet_sent(10**6)
+        store.fleet_queue("best", {"n": 7})
+        assert store.fleet_outbox()[0][0] > rows[-1][0] + 4
+    finally:
         store.close()

@@ -496,6 +496,7 @@ class FleetLink:
         self._backoff = 1.0
         self._next_note = 0.0
         self._next_bound = 0.0
+        self._next_count = 0.0
         self._busy = False
         self._sent_upto = 0                     # outbox rows up to here are with the worker or pushed
         self._batch = BATCH                     # halved after a failed push: a batch too big for the
@@ -572,6 +573,12 @@ class FleetLink:
         if now >= self._next_bound:
             self._next_bound = now + 60.0
             self._bound(writes)
+        if now >= self._next_count:           # the backlog as the metrics and `hakmem status` show it
+            self._next_count = now + 1.0
+            try:
+                self.backlog = self.store.fleet_backlog()
+            except Exception:
+                pass
         if self._busy or now < self._next_try:
             return
         if now >= self._next_pull:
@@ -581,7 +588,6 @@ class FleetLink:
             return
         try:
             rows = self.store.fleet_outbox(after=self._sent_upto, limit=self._batch)
-            self.backlog = self.store.fleet_backlog()
         except Exception as e:
             self._note(now, f"cannot read the fleet outbox: {e}")
             return

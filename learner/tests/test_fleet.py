@@ -19,6 +19,7 @@ import pytest
 from conftest import ROOT, WORKLOAD, clean_env, ring_path, scaled, start, wait_for
 from pgcluster import Cluster
 from test_learnd import CLS64, Learnd, db_rows, finish
+from test_metrics import endpoint, samples, scrape
 from test_postgres import pg_user   # noqa: F401  (the fixture: root, postgresql installed)
 from hakmem import fleet as F
 from hakmem.ring import Ring
@@ -336,7 +337,7 @@ def test_a_program_learned_on_host_a_starts_on_host_b_from_its_policy_within_a_s
         assert a.stop() == 0, a.text()
     offer, = F.FleetDB(f.url()).offers(CLASS).values()
     assert "fleet: " in a.text() and "as host a" in a.text(), a.text()
-    b = learnd_host(f, tmp_path, "b")
+    b = learnd_host(f, tmp_path, "b", "--metrics", "127.0.0.1:0")
     try:
         b.wait_log("as host b", 10)
         time.sleep(1.0)                   # two pulls: B holds the offer before the program starts
@@ -358,6 +359,12 @@ def test_a_program_learned_on_host_a_starts_on_host_b_from_its_policy_within_a_s
         # B's own A/B decides: the default against the fleet's policy, pushed as a fleet trial.
         wait_for(lambda: pushed(f, "b", "AND source = 'fleet' AND verdict <> 'measured'") > 0, 40,
                  lambda: f"host B's verdict on the fleet's policy in the fleet:\n{b.text()[-3000:]}")
+        fams, _ = scrape(endpoint(b))
+        assert samples(fams, "hakmem_fleet_up")[0].value == 1
+        assert samples(fams, "hakmem_fleet_adopted_total")[0].value == 1
+        assert samples(fams, "hakmem_fleet_offers")[0].value == 1
+        assert samples(fams, "hakmem_fleet_pulls_total")[0].value >= 2
+        assert samples(fams, "hakmem_fleet_pushed_evaluations_total")[0].value >= 1
         finish(w)
     finally:
         assert b.stop() == 0, b.text()
@@ -404,25 +411,38 @@ def test_with_the_database_away_learnd_learns_on_and_pushes_everything_once_when
     assert "reachable again" in log, log
 
 
-def test_a_database_not_migrated_is_said_once_and_learnd_learns_on(cluster, tmp_path):
+@pytest.mark.parametrize("fault", ["not migrated", "wrong password"])
+def test_a_database_not_migrated_or_refusing_the_role_is_said_once_and_learnd_learns_on(cluster, tmp_path, fault):
     f = Fleet(cluster, k=1)
     f.owner.add_host("a", "pw-a")
-    name = f"bare{next(_dbs)}"
-    F.FleetDB(cluster.url()).conn.execute(f"CREATE DATABASE {name}")
-    url = cluster.url(Fleet.role("a"), "pw-a", db=name)
-    d = Learnd(tmp_path, "--learner", "gp", "--fleet", url, "--fleet-pull", "0.5", "--fleet-class", CLASS)
+    if fault == "not migrated":
+        name = f"bare{next(_dbs)}"
+        F.FleetDB(cluster.url()).conn.execute(f"CREATE DATABASE {name}")
+        url, why = cluster.url(Fleet.role("a"), "pw-a", db=name), "schema is version 0, this hakmem needs"
+    else:
+        url, why = cluster.url(Fleet.role("a"), "not-its-password", db=f.name), "password authentication failed"
+    d = Learnd(tmp_path, "--learner", "gp", "--fleet", url, "--fleet-pull", "0.5", "--fleet-class", CLASS,
+               "--metrics", "127.0.0.1:0")
     try:
         w = start(["burst", 64, 4000, scaled(4)], d.shm)
         d.wait_log("fleet: pull failed", 10)
         finish(w)
         d.wait_log("process_exited", 10)
+        fams, _ = scrape(endpoint(d))
+        assert samples(fams, "hakmem_fleet_up")[0].value == 0
+        assert samples(fams, "hakmem_fleet_errors_total")[0].value >= 1
+        assert samples(fams, "hakmem_fleet_pushed_evaluations_total")[0].value == 0
+        wait_for(lambda: samples(scrape(endpoint(d))[0], "hakmem_fleet_backlog")[0].value > 0, 10,
+                 "the outbox backlog in the metrics")
     finally:
         assert d.stop() == 0, d.text()
     log = d.text()
-    assert "schema is version 0, this hakmem needs" in log and "its owner runs `hakmem fleet migrate`" in log, log
-    assert "pw-a" not in log
+    assert why in log, log
+    if fault == "not migrated":
+        assert "its owner runs `hakmem fleet migrate`" in log, log
+    assert "pw-a" not in log and "not-its-password" not in log
     assert log.count("fleet: pull failed") + log.count("fleet: push failed") == 1, log
-    # What it could not push waits for the database to be migrated.
+    # What it could not push waits for the database.
     assert db_rows(d.db, "SELECT count(*) FROM fleet_outbox WHERE kind = 'evaluation'")[0][0] == \
         db_rows(d.db, "SELECT count(*) FROM evaluations")[0][0] > 0
     f.close()

@@ -115,7 +115,7 @@ def test_discovers_samples_stores_and_cleans_up(tmp_path):
 
 def test_a_process_that_allocates_nothing_neither_confirms_nor_holds_back_the_policy(tmp_path):
     """One program, two processes: one busy, one that makes no call at all
-    after its first 0.1 s and has no background thread (a service's helper
+    after its first 0.5 s and has no background thread (a service's helper
     asleep between rounds: PostgreSQL's background writer). A pinned policy
     is written to both; the idle one never reads its snapshot, so it never
     confirms it. The busy process's windows must count for the pinned policy
@@ -124,7 +124,10 @@ def test_a_process_that_allocates_nothing_neither_confirms_nor_holds_back_the_po
     d = Learnd(tmp_path, "--learner", "static")
     idle = busy = None
     try:
-        idle = start(["idle", 0.1, scaled(15)], d.shm, HAKMEM_BACKGROUND=0)
+        # Busy for 0.5 s: its telemetry file is made at a slow path one epoch
+        # (100 ms) after start, and 0.1 s of work left that to a race (a
+        # loaded CI machine once lost it).
+        idle = start(["idle", 0.5, scaled(15)], d.shm, HAKMEM_BACKGROUND=0)
         idle_ring = Ring(ring_path(d.shm, idle.pid))
         assert json.loads(idle.stdout.readline())["mode"] == "idle-start"
         busy = start(["burst", 64, 3000, scaled(6)], d.shm)

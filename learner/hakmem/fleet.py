@@ -317,14 +317,21 @@ class FleetDB:
                 cur.execute("SELECT hakmem.touch(%s)", (sorted(touched),))
             return new
         new = self._run(q)
-        self.settle()
+        self.settle(quiet=True)
         return new
 
-    def settle(self) -> int:
+    def settle(self, quiet=False) -> int:
         """Recomputes a few standings whose evidence changed (any host's),
-        after this host's own transaction: off the push's locks."""
-        return self._run(lambda cur: (cur.execute("SELECT hakmem.settle(%s, %s)",
-                                                  (SETTLE_PER_CALL, self.settle_age_ms)), cur.fetchone()[0])[1])
+        after this host's own transaction: off the push's locks. quiet: a
+        failure is the fleet's work left for the next host, not this host's
+        push or pull failing (0)."""
+        try:
+            return self._run(lambda cur: (cur.execute("SELECT hakmem.settle(%s, %s)",
+                                                      (SETTLE_PER_CALL, self.settle_age_ms)), cur.fetchone()[0])[1])
+        except FleetError:
+            if not quiet:
+                raise
+            return 0
 
     def offers(self, hw: str) -> dict:
         """{(build_id, exe_name, users): Offer} this host is offered."""
@@ -529,7 +536,7 @@ class FleetLink:
                     self._done.put(("pushed", upto, new))
                 elif job[0] == "pull":
                     self._done.put(("offers", db.offers(self.klass)))
-                    db.settle()     # the fleet's work, after this host's pull: its share of recomputing
+                    db.settle(quiet=True)     # the fleet's work, after this host's pull: its share of recomputing
             except FleetError as e:
                 self._done.put(("error", job[0], str(e)))
                 if db is not None:

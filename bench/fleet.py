@@ -382,10 +382,10 @@ def _command(cmd, sims, pullers, by_build, rng, cfg):
         for s in sims:
             bodies = [("evaluation", s.verdict_body(g, c)) for g, c in s.local]
             bodies += [("best", s.best_row(g)) for g in s.programs]
-            todo = s.rows(bodies)
-            for i in range(0, len(todo), F.BATCH):
-                new += _push_seed(s, todo[i:i + F.BATCH], cfg["batch"], errors)
-            rows += len(todo)
+            outbox = s.rows(bodies)
+            for i in range(0, len(outbox), F.BATCH):
+                new += _push_seed(s, outbox[i:i + F.BATCH], cfg["batch"], errors)
+            rows += len(outbox)
         return {"rows": rows, "new": new, "errors": dict(errors)}
     if what == "canary":
         # A host that is a canary of a policy tries it and pushes its trial.
@@ -403,12 +403,12 @@ def _command(cmd, sims, pullers, by_build, rng, cfg):
                     continue
                 g = by_build[build]
                 c = next((i for i, k in enumerate(g["cands"]) if k == offer.knobs), None)
-                todo = CANARY_OUTCOME[g["p"] % len(CANARY_OUTCOME)]
-                if c is None or todo == "none":
+                outcome = CANARY_OUTCOME[g["p"] % len(CANARY_OUTCOME)]
+                if c is None or outcome == "none":
                     continue
-                vs = "within" if todo == "keep" else "worse"
+                vs = "within" if outcome == "keep" else "worse"
                 bodies.append(("evaluation", s.verdict_body(g, c, source="fleet", vs=vs)))
-                trials[todo] += 1
+                trials[outcome] += 1
             if bodies:
                 _push_seed(s, s.rows(bodies), 1, errors)
         return {"trials": dict(trials), "errors": dict(errors)}

@@ -517,3 +517,34 @@ def test_the_outbox_gives_up_only_what_was_pushed_and_a_full_one_drops_plain_mea
         assert store.fleet_outbox()[0][0] > rows[-1][0] + 4
     finally:
         store.close()
+
+
+def test_a_fleet_policy_outside_the_allocators_bounds_is_not_applied(fleet, tmp_path):
+    """Any host may push anything: an offered policy out of the allocator's
+    bounds (k = 1, a single host's word) is refused by the host that pulls it,
+    with a warning, and the program runs its own default."""
+    from hakmem.procfs import program_identity
+    f = fleet(k=1, canary=0.0)
+    m = f.host("m")
+    b = learnd_host(f, tmp_path, "b")
+    try:
+        b.wait_log("as host b", 10)
+        probe = start(["burst", 64, 4000, scaled(20)], b.shm)
+        path = ring_path(b.shm, probe.pid)
+        default = Ring(path).policy_in_force()
+        exe, build = program_identity(probe.pid)
+        probe.kill()
+        probe.wait()
+        bad = json.loads(json.dumps(default))
+        bad["tcache_cap"][CLS64] = 10**9
+        f.verdict(m, "m", bad, "better", program=(build, pathlib.Path(exe).name, "0"))
+        assert f.offers(m) != {}
+        time.sleep(1.0)                   # two pulls: B holds the offer
+        w = start(["burst", 64, 4000, scaled(3)], b.shm)
+        path = ring_path(b.shm, w.pid)
+        b.wait_log("the fleet's policy is outside the allocator's bounds", 10)
+        assert Ring(path).policy_in_force()["tcache_cap"][CLS64] == default["tcache_cap"][CLS64]
+        finish(w)
+    finally:
+        assert b.stop() == 0, b.text()
+    assert "fleet_start" not in b.text(), b.text()

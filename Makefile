@@ -244,11 +244,14 @@ mutate: venv ## apply each curated bug (tools/mutants.toml) to a copy of the tre
 
 .PHONY: demo demo-synthetic
 # make demo: redis-server under redis-benchmark, tuned by learnd (tools/demo_redis.py, issue 17).
-demo: deps lib venv ## redis-server preloaded under redis-benchmark, learnd tuning it for a minute; what it changed, measured (DEMO_S=60)
+# Every target that starts learnd builds the replayer and hakmem-bpf first:
+# without them learnd screens nothing and reads the kernel's side from /proc,
+# so a fresh clone would show a learnd that no installed one is.
+demo: deps lib venv replay bpf ## redis-server preloaded under redis-benchmark, learnd tuning it for a minute; what it changed, measured (DEMO_S=60)
 	$(Q)tools/install-deps.sh redis
 	$(Q)$(PY) tools/demo_redis.py --build $(BUILD) $(if $(DEMO_S),--seconds $(DEMO_S))
 
-demo-synthetic: deps lib venv $(BUILD)/learner/workload ## build, run python3 and sqlite3 preloaded, then hakmem-learnd tuning a preloaded workload, and show the learned policy
+demo-synthetic: deps lib venv replay bpf $(BUILD)/learner/workload ## build, run python3 and sqlite3 preloaded, then hakmem-learnd tuning a preloaded workload, and show the learned policy
 	$(Q)tools/demo.sh $(BUILD)
 
 .PHONY: deps

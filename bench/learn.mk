@@ -4,7 +4,9 @@
 # glibc only (hakmem comes by LD_PRELOAD, as for every benchmark), then
 # bench/learn.py runs the default policy, a grid of static policies,
 # hakmem-learnd's miss-driven learner, and hakmem-learnd cold and warm on
-# four workloads; results in bench/results/learn.{json,md,png}.
+# four workloads; results in bench/results/learn.{json,md,png}. learnd
+# screens with build/hakmem-replay and reads the kernel's side with
+# build/hakmem-bpf: both are built first (a fresh clone has neither).
 
 PY              ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 LEARN_WORKLOAD  := $(BUILD)/bench/learn_workload
@@ -17,10 +19,10 @@ $(LEARN_WORKLOAD): bench/learn_workload.c bench/learn.mk
 	@$(if $(Q),echo "  BENCH   $@")
 	$(Q)$(CC) -std=gnu11 -O2 -g -pthread -Wall -Wextra $< -o $@
 
-bench-learn: lib venv $(LEARN_WORKLOAD) ## run the learner proof: default, best static, miss-driven, learnd cold and warm on four workloads (about 20 minutes; LEARN_ARGS=...)
+bench-learn: deps lib venv replay bpf $(LEARN_WORKLOAD) ## run the learner proof: default, best static, miss-driven, learnd cold and warm on four workloads (about 20 minutes; LEARN_ARGS=...)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn.py $(LEARN_ARGS)
 
-bench-learn-quick: lib venv $(LEARN_WORKLOAD) ## the learner proof with short runs and a small grid (about 3 minutes)
+bench-learn-quick: deps lib venv replay bpf $(LEARN_WORKLOAD) ## the learner proof with short runs and a small grid (about 3 minutes)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn.py --quick $(LEARN_ARGS)
 
 # bench/learn_real.py: eight Debian programs (redis, PostgreSQL, python3,
@@ -31,8 +33,8 @@ LEARN_REAL_ARGS ?=
 
 .PHONY: bench-learn-real bench-learn-real-quick
 
-bench-learn-real: lib venv ## real programs: the room for a policy and learnd cold and warm on eight Debian programs, 2-minute runs, 3 rounds, as root (about 7 hours; LEARN_REAL_ARGS=--only redis,python3)
+bench-learn-real: deps lib venv replay bpf ## real programs: the room for a policy and learnd cold and warm on eight Debian programs, 2-minute runs, 3 rounds, as root (about 7 hours; LEARN_REAL_ARGS=--only redis,python3)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn_real.py --learnd $(LEARN_REAL_ARGS)
 
-bench-learn-real-quick: lib venv ## the real-program study with 20-s runs and no learnd (about an hour)
+bench-learn-real-quick: deps lib venv replay bpf ## the real-program study with 20-s runs and no learnd (about an hour)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn_real.py --seconds 20 $(LEARN_REAL_ARGS)

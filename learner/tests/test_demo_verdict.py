@@ -63,3 +63,19 @@ def test_the_closing_table_shows_a_change_only_beside_a_difference():
     assert "lower -11.0%" in by["resident"]     # 81 against 91 MiB
     assert "100,000-190,000; 131,000-150,000" in by["SET"]
     assert "by chance 10% of the time" in lines[-1]
+
+
+def test_every_target_that_starts_learnd_builds_the_replayer_and_hakmem_bpf(tmp_path):
+    """A fresh clone has neither: learnd then screened nothing and read the
+    kernel's side from /proc, so `make bench-learn` on a fresh clone measured
+    a learnd no installed one is (found in a fresh-clone run at 167b91e)."""
+    import subprocess
+    btf = pathlib.Path("/sys/kernel/btf/vmlinux").exists()
+    for target in ("demo", "demo-synthetic", "bench-learn", "bench-learn-quick", "bench-learn-real",
+                   "bench-learn-real-quick"):
+        r = subprocess.run(["make", "-n", f"BUILD={tmp_path}", target], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert f"{tmp_path}/hakmem-replay" in r.stdout, target
+        if btf:
+            assert f"{tmp_path}/hakmem-bpf" in r.stdout, target

@@ -25,15 +25,15 @@ bench-learn: deps lib venv replay bpf $(LEARN_WORKLOAD) ## run the learner proof
 bench-learn-quick: deps lib venv replay bpf $(LEARN_WORKLOAD) ## the learner proof with short runs and a small grid (about 3 minutes)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn.py --quick $(LEARN_ARGS)
 
-# bench/learn_real.py: eight Debian programs (redis, PostgreSQL, python3,
-# perl, sqlite3, git, gcc, jq) under workloads with waves, growth, deletes
+# bench/learn_real.py: nine Debian programs (redis, PostgreSQL, python3,
+# perl, sqlite3, git, gcc, jq, MariaDB) under workloads with waves, growth, deletes
 # and idle time; static policies against the default, interleaved, and
 # hakmem-learnd cold and warm; results in bench/results/learn_real.{json,md}.
 LEARN_REAL_ARGS ?=
 
 .PHONY: bench-learn-real bench-learn-real-quick
 
-bench-learn-real: deps lib venv replay bpf ## real programs: the room for a policy and learnd cold and warm on eight Debian programs, 2-minute runs, 3 rounds, as root (about 7 hours; LEARN_REAL_ARGS=--only redis,python3)
+bench-learn-real: deps lib venv replay bpf ## real programs: the room for a policy and learnd cold and warm on nine Debian programs, 2-minute runs, 3 rounds, as root (about 7 hours; LEARN_REAL_ARGS=--only redis,python3)
 	$(Q)BUILD=$(BUILD) $(PY) bench/learn_real.py --learnd $(LEARN_REAL_ARGS)
 
 bench-learn-real-quick: deps lib venv replay bpf ## the real-program study with 20-s runs and no learnd (about an hour)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Is there room for a policy on real programs, and does hakmem-learnd take it?
 
-Eight unmodified programs from Debian, each under a workload a deployment
+Nine unmodified programs from Debian, each under a workload a deployment
 has: load that comes in waves, data that grows and is deleted, idle time,
 many processes or threads. Every workload is a loop of cycles, each cycle a
 fixed amount of work (so a policy that makes the program faster finishes
@@ -24,8 +24,11 @@ more cycles, never different ones):
             threads), then log --stat
   gcc       gcc -O2 on a large generated translation unit
   jq        group_by and aggregates over a generated JSON array
+  mariadb   MariaDB 10.11, a thread per connection: sysbench in waves, 64
+            connections of OLTP read/write, then 8 of point selects; 1 s
+            idle (the server keeps a few threads for reuse, ends the rest)
 
-The long-lived ones (redis, postgres, python3, perl, sqlite3) run one
+The long-lived ones (redis, postgres, python3, perl, sqlite3, mariadb) run one
 process per run and are told to do a cycle at a time; git, gcc and jq start
 a process per cycle, as their users do. Every process of the program runs
 with hakmem preloaded (the load generators and clients do not). Measured
@@ -74,6 +77,7 @@ import json
 import os
 import pwd
 import random
+import re
 import shutil
 import signal
 import socket
@@ -683,7 +687,84 @@ class Jq(Program):
             ctx.idle(0.5)
 
 
-PROGRAMS = {c.name: c for c in (Redis, Postgres, Python, Perl, Sqlite, Git, Gcc, Jq)}
+class Mariadb(Program):
+    """MariaDB with a thread per connection: waves of 64 sysbench clients
+    (OLTP read/write), then 8 (point selects), then idle; MariaDB keeps a
+    few of the connections' threads for reuse and ends the rest."""
+    name, exe, apt = "mariadb", "/usr/sbin/mariadbd", ("mariadb",)
+    deterministic = False       # sysbench's writes are random; only their count is fixed
+    WAVES = (("oltp_read_write", 64, 1200), ("oltp_point_select", 8, 40000))
+
+    def available(self) -> str | None:
+        if not shutil.which("sysbench"):
+            return "sysbench is not installed"
+        return super().available()
+
+    def _sysbench(self, ctx: Ctx, test: str, *args) -> str:
+        return ctx.client(["sysbench", test, "--db-driver=mysql", f"--mysql-socket={self.sock}",
+                           "--mysql-user=root", "--mysql-db=sbtest", "--tables=4",
+                           f"--table-size={1000 if self.small else 20000}", *args], f"sysbench {test}")
+
+    def setup(self) -> None:
+        self.data, self.sock = self.work / "data", self.work / "mysqld.sock"
+        shutil.rmtree(self.data, ignore_errors=True)
+        r = subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={self.data}", "--user=root",
+                            "--auth-root-authentication-method=normal", "--skip-test-db"],
+                           env=clean_env(), capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RunError(f"mariadb-install-db failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}")
+        ctx = Ctx(self.work, None, self.work / "no-telemetry", {}, 0, True)
+        try:
+            p = self._start(ctx)
+            ctx.client(["mariadb", f"--socket={self.sock}", "-uroot", "-e", "CREATE DATABASE sbtest"], "mariadb")
+            self._sysbench(ctx, "oltp_read_write", "--threads=4", "prepare")
+            self._stop(ctx, p)
+        finally:
+            ctx.close()
+
+    def _start(self, ctx: Ctx):
+        p = ctx.spawn([self.exe, "--no-defaults", f"--datadir={self.data}", f"--socket={self.sock}",
+                       "--skip-networking", "--user=root", f"--pid-file={self.work / 'mysqld.pid'}",
+                       f"--log-error={self.work / 'mysqld.err'}", "--innodb-buffer-pool-size=128M",
+                       "--innodb-flush-log-at-trx-commit=0", "--skip-log-bin", "--max-connections=200",
+                       "--performance-schema=OFF"],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if p.poll() is not None:
+                raise RunError(f"mariadbd exited at start ({p.returncode}): "
+                               f"{(self.work / 'mysqld.err').read_text(errors='replace')[-300:]}")
+            if subprocess.run(["mariadb-admin", f"--socket={self.sock}", "-uroot", "ping"], env=clean_env(),
+                              capture_output=True, timeout=10).returncode == 0:
+                return p
+            time.sleep(0.1)
+        raise RunError("mariadbd did not answer in 60 s")
+
+    def _stop(self, ctx: Ctx, p) -> None:
+        if p.returncode is None:
+            p.send_signal(signal.SIGTERM)       # a clean shutdown
+            ctx.reap(p, 120)
+
+    def workload(self, ctx: Ctx) -> None:
+        p = self._start(ctx)
+        try:
+            while ctx.more():
+                units = 0
+                for test, threads, events in self.WAVES:
+                    events = events // 20 if self.small else events
+                    out = self._sysbench(ctx, test, f"--threads={threads}", f"--events={events}", "--time=0",
+                                         "--rand-seed=1", "run")
+                    done = re.search(r"total number of events:\s+(\d+)", out)
+                    if not done or int(done.group(1)) != events:
+                        raise RunError(f"sysbench {test} did not run its {events} events: {out.strip()[-300:]}")
+                    units += events
+                ctx.done_cycle(units)
+                ctx.idle(1.0)
+        finally:
+            self._stop(ctx, p)
+
+
+PROGRAMS = {c.name: c for c in (Redis, Postgres, Python, Perl, Sqlite, Git, Gcc, Jq, Mariadb)}
 
 
 # ---------------------------------------------------------------- learnd

@@ -10,7 +10,10 @@
 #     redis        redis-server and redis-benchmark (redis-tools), for
 #                  learner/tests/test_redis.py and `make demo`
 #     learn-real   jq, for bench/learn_real.py (its other programs are in base,
-#                  postgresql and redis)
+#                  postgresql, redis and mariadb)
+#     mariadb      MariaDB and sysbench, for bench/learn_real.py; the package's
+#                  own server is not started (policy-rc.d): the study starts
+#                  its own in a temporary directory
 #     ops          systemd (systemd-analyze, systemd-tmpfiles), for
 #                  learner/tests/test_make_install.py (deploy/'s unit)
 set -euo pipefail
@@ -22,6 +25,7 @@ base=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps 
 base+=(clang llvm libbpf-dev bpftool libelf-dev zlib1g-dev libzmq3-dev)
 
 pkgs=()
+no_start=
 [ $# -eq 0 ] && pkgs=("${base[@]}")
 for group in "$@"; do
   case "$group" in
@@ -30,7 +34,8 @@ for group in "$@"; do
     redis) pkgs+=(redis-server redis-tools) ;;
     ops) pkgs+=(systemd) ;;
     learn-real) pkgs+=(jq) ;;
-    *) echo "install-deps: unknown group '$group' (groups: base, postgresql, redis, ops, learn-real)" >&2; exit 2 ;;
+    mariadb) pkgs+=(mariadb-server mariadb-client sysbench); no_start=1 ;;
+    *) echo "install-deps: unknown group '$group' (groups: base, postgresql, redis, ops, learn-real, mariadb)" >&2; exit 2 ;;
   esac
 done
 
@@ -48,4 +53,14 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
+# A package's server started by its postinst would run beside every
+# benchmark after it: where the caller starts its own, policy-rc.d (exit
+# 101: "not allowed") keeps invoke-rc.d from starting any, for this install
+# only, and only when no policy-rc.d was there already.
+policy=/usr/sbin/policy-rc.d
+if [ -n "$no_start" ] && [ ! -e "$policy" ]; then
+  printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null
+  $SUDO chmod 755 "$policy"
+  trap '$SUDO rm -f "$policy"' EXIT
+fi
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -371,8 +371,11 @@ def open_store(db):
     return Store(db)
 
 
-def stored(store, facts: TraceFacts, objective: Objective) -> dict:
-    """knobs_hash -> Result for what the store holds of this trace."""
+def stored(store, facts: TraceFacts, objective: Objective, prices: Prices | None = None) -> dict:
+    """knobs_hash -> Result for what the store holds of this trace. With
+    prices, each is priced again from its stored runs: a fault and an OS call
+    cost what they cost on this machine now, the same for a stored result as
+    for one replayed beside it."""
     out = {}
     for r in store.db.execute("SELECT * FROM replay_runs WHERE trace_hash = ? AND objective = ?",
                               (facts.hash, objective.describe())):
@@ -381,6 +384,8 @@ def stored(store, facts: TraceFacts, objective: Objective) -> dict:
                      wall_s=r["wall_s"], cpu_s=r["cpu_s"], peak_rss_bytes=r["peak_rss_bytes"],
                      os_calls=r["os_calls"], minflt=r["minflt"], time_cost=r["time_cost"], mem_cost=r["mem_cost"],
                      cost=r["cost"], spread=r["spread"], run_costs=raw.get("_run_costs", []), raw=raw, stored=True)
+        if prices is not None and raw.get("runs"):
+            res = dataclasses.replace(result_of(raw, res.knobs, facts, objective, prices), stored=True)
         out[r["knobs_hash"]] = res
     return out
 
@@ -483,7 +488,7 @@ class Sweep:
         self.jobs = max(1, int(jobs or os.cpu_count() or 1))
         self.on_result = on_result or (lambda r: None)
         self.timeout = timeout
-        self.known = stored(store, facts, objective) if store is not None else {}
+        self.known = stored(store, facts, objective, self.prices) if store is not None else {}
         self.runner = Runner()
         self.results: dict[str, Result] = {}
         self.replayed = 0

@@ -204,6 +204,31 @@ def test_one_replay_reports_and_stores(trace, tmp_path):
     one_line_error(hk("replay", trace, "--db", db, "--policy", "workload@7"), "no policy version 7")
 
 
+
+def test_costs_are_priced_as_learnd_prices_them_stored_results_too(trace, tmp_path):
+    """A fault and an OS call cost what they measure on this machine
+    (objective.Prices.calibrate, as hakmem-learnd's screening prices them),
+    not the fixed defaults: with those a replay here ranked policies unlike
+    learnd's screening of the same trace. A result found in the store is
+    priced again from its stored runs at this run's prices."""
+    from hakmem import replay as R
+    from hakmem.objective import Objective, Prices
+    db = tmp_path / "learn.db"
+    facts = R.trace_facts(str(trace))
+    for n in range(2):
+        r = hk("replay", trace, "--repeat", "2", "--json", "--db", db)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["result"]["stored"] is (n == 1)
+        prices = Prices(**out["prices"])
+        assert prices != Prices(), "the fixed defaults, not this machine's prices"
+        assert out["objective"] == Objective().describe()
+        want = R.result_of(out["replayer"], out["result"]["knobs"], facts, Objective(), prices)
+        assert out["result"]["time_cost"] == pytest.approx(want.time_cost, rel=1e-9)
+        assert out["result"]["cost"] == pytest.approx(want.cost, rel=1e-9)
+    text = hk("replay", trace, "--repeat", "2", "--db", db)
+    assert text.returncode == 0 and "a fault " in text.stdout and "(measured here)" in text.stdout, text.stdout
+
 # ---- the sweep ------------------------------------------------------------------------
 def test_grid_sweep_beats_the_default_stores_every_result_and_resumes(trace, tmp_path):
     db, png = tmp_path / "learn.db", tmp_path / "pareto.png"

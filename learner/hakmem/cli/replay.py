@@ -10,7 +10,7 @@ from .. import knobs as K
 from .. import replay as R
 from ..backend import read_export
 from ..control import ControlError, knobs_from_pb
-from ..objective import Objective, ObjectiveError
+from ..objective import Objective, ObjectiveError, Prices
 from ..store import StoreError, program_key
 from ..trace import TraceError
 from .common import _Usage, _out_json, _table
@@ -150,13 +150,19 @@ def cmd_replay(args):
         raise _Usage("--png draws a sweep's Pareto chart: it needs --sweep")
     objective = Objective.parse(args.objective) if args.objective else Objective()
     replayer = R.find_replayer(args.replayer)
+    # Faults and OS calls priced as hakmem-learnd prices them, measured on
+    # this machine: with the fixed defaults a replay here ranked policies
+    # unlike learnd's screening of the same trace (faults at 0.7 us against
+    # the 1.4 us measured beside it).
+    prices = Prices.calibrate()
     knobs, label = _policy_arg(args.policy, args.db)
     facts = R.trace_facts(args.target, partial=args.partial)
     st = _store(args.db) if (args.sweep or args.promote or args.db) else None
     try:
         if args.sweep:
-            return _sweep(args, facts, st, objective, replayer)
-        sw = R.Sweep(facts, st, objective, repeat=args.repeat, partial=args.partial, replayer=replayer, jobs=1)
+            return _sweep(args, facts, st, objective, replayer, prices)
+        sw = R.Sweep(facts, st, objective, prices=prices, repeat=args.repeat, partial=args.partial,
+                     replayer=replayer, jobs=1)
         r = sw.one(knobs)
         promoted = _promote(args, facts, r, st, f"replay of {os.path.basename(facts.path)} ({label})") \
             if args.promote else None
@@ -165,7 +171,8 @@ def cmd_replay(args):
             st.close()
     if args.json:
         _out_json({"trace": r.raw.get("trace", {}) | {"hash": facts.hash}, "policy_asked": knobs, "label": label,
-                   "objective": objective.describe(), "result": r.as_json(), "replayer": r.raw,
+                   "objective": objective.describe(), "prices": _prices_json(prices), "result": r.as_json(),
+                   "replayer": r.raw,
                    "promoted": promoted})
         return 0
     t = r.raw.get("trace", {})
@@ -176,7 +183,8 @@ def cmd_replay(args):
     _table(("wall s", "cpu s", "peak RSS MiB", "os calls", "minflt", "time cost", "cost", "spread"),
            [(f"{r.wall_s:.4f}", f"{r.cpu_s:.4f}", _mib(r.peak_rss_bytes), f"{r.os_calls:.0f}", f"{r.minflt:.0f}",
              f"{r.time_cost:.4g}", f"{r.cost:.4g}", f"{r.spread * 100:.1f}%")])
-    print(f"cost: {objective.describe()}, per second of the traced program's {facts.duration_s:.3g} s")
+    print(f"cost: {objective.describe()}, per second of the traced program's {facts.duration_s:.3g} s; "
+          f"{_prices_text(prices)}")
     if promoted:
         _say_promoted(promoted)
     return 0
@@ -189,7 +197,15 @@ def _say_promoted(p):
         print("note: the program has another policy pinned, which wins; `hakmem policy unpin` lets this one apply")
 
 
-def _sweep(args, facts, st, objective, replayer):
+def _prices_json(prices: Prices) -> dict:
+    return {"fault_s": prices.fault_s, "syscall_s": prices.syscall_s}
+
+
+def _prices_text(prices: Prices) -> str:
+    return f"a fault {prices.fault_s * 1e6:.2f} us, an OS call {prices.syscall_s * 1e6:.2f} us (measured here)"
+
+
+def _sweep(args, facts, st, objective, replayer, prices):
     from ..progress import progress
     kind = args.sweep
     budget = args.budget
@@ -198,8 +214,8 @@ def _sweep(args, facts, st, objective, replayer):
     def tick(r):
         bar.update(1)
         bar.set_postfix_str(f"cost {r.cost:.4g}")
-    sw = R.Sweep(facts, st, objective, repeat=args.repeat, partial=args.partial, replayer=replayer, jobs=args.jobs,
-                 on_result=tick)
+    sw = R.Sweep(facts, st, objective, prices=prices, repeat=args.repeat, partial=args.partial, replayer=replayer,
+                 jobs=args.jobs, on_result=tick)
     interrupted = False
     try:
         with bar:
@@ -249,7 +265,8 @@ def _sweep(args, facts, st, objective, replayer):
         _out_json({"trace": {"path": facts.path, "hash": facts.hash, "exe": facts.exe, "build_id": facts.build_id,
                              "events": facts.events, "duration_s": facts.duration_s,
                              "hot_classes": facts.hot_classes()},
-                   "kind": kind, "objective": objective.describe(), "repeat": args.repeat,
+                   "kind": kind, "objective": objective.describe(), "prices": _prices_json(prices),
+                   "repeat": args.repeat,
                    "replayed": sw.replayed, "default": base.as_json(),
                    "results": [dict(r.as_json(), label=lab, pareto=i in front, rank=i + 1)
                                for i, (r, lab) in enumerate(zip(results, labels))],
@@ -258,7 +275,8 @@ def _sweep(args, facts, st, objective, replayer):
                    "png": args.png, "promoted": promoted})
         return 0
     print(f"{facts.path}: {kind} sweep of {len(results)} policies ({sw.replayed} replayed now, "
-          f"{len(results) - sw.replayed} stored), {args.repeat} runs each; cost {objective.describe()}")
+          f"{len(results) - sw.replayed} stored), {args.repeat} runs each; cost {objective.describe()}; "
+          f"{_prices_text(prices)}")
     _table(("#", "policy (* Pareto)", "time cost", "RSS MiB", "os calls", "cost", "spread", "vs default", ""),
            _rows(results, labels, dcost, front))
     verdict = ("beats the default beyond the spread" if best.cost < dcost * (1 - max(best.spread, base.spread))

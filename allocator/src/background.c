@@ -91,6 +91,16 @@ void _hk_background_maybe_start(uint64_t now_ns) {
 
 void _hk_background_born(void) { hk_store_relaxed(&born_ns, _hk_os_now_coarse_ns()); }
 
+/* The replayer, for a trace captured from a live process (hakmem-replay.c
+ * "the background thread"): that process was past its first second and its
+ * thread gave memory back through every idle gap, so the replay's must from
+ * its first one, not only in the part of the replay after its own first
+ * second. Same checks as any start. */
+void _hk_background_start_now(void) {
+  hk_store_relaxed(&born_ns, 0);
+  _hk_background_maybe_start(_hk_os_now_coarse_ns());
+}
+
 void _hk_background_after_fork_child(void) {
   hk_store_relaxed(&state, BG_NONE);
   _hk_background_born();

@@ -285,6 +285,7 @@ size_t _hk_tel_describe(char* buf, size_t cap, uint64_t failures);
 /* ---- the background thread (background.c) --------------------------------------- */
 bool _hk_background_allowed(void);          /* HAKMEM_BACKGROUND (options.c) */
 void _hk_background_born(void);             /* at initialization */
+void _hk_background_start_now(void);        /* the replayer: a live capture's process was past its first second */
 void _hk_background_maybe_start(uint64_t now_ns);
 void _hk_background_after_fork_child(void);
 size_t _hk_background_describe(char* buf, size_t cap);

@@ -143,7 +143,10 @@ static uint64_t nev;
 static trace_info_t info;
 
 static const char* mode_name(uint32_t m) {
-  return m == 1 ? "full" : m == 2 ? "sampled" : m == 3 ? "live" : "unspecified";
+  return m == HAKMEM__TRACE__V1__MODE__FULL      ? "full"
+       : m == HAKMEM__TRACE__V1__MODE__SAMPLED ? "sampled"
+       : m == HAKMEM__TRACE__V1__MODE__LIVE    ? "live"
+                                               : "unspecified";
 }
 
 /* One varint at p (at most 10 bytes, not past end); 0 on a bad one. */
@@ -753,7 +756,7 @@ static int run_once(int out_fd) {
    * program's 122,000 in 2 s, which ranked the policy 13% cheaper than the
    * default where it cost the program 56% more. A trace from a process's
    * start (HAKMEM_TRACE) keeps the allocator's own rule. */
-  if (info.mode == 3) _hk_background_start_now();
+  if (info.mode == HAKMEM__TRACE__V1__MODE__LIVE) _hk_background_start_now();
   uint32_t nt = info.threads;
   thread_nev = map_zero((nt + 1) * sizeof *thread_nev);
   thread_events = map_zero((nt + 1) * sizeof *thread_events);

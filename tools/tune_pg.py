@@ -90,15 +90,19 @@ class Cluster:
 
     def start(self, shm):
         e = env(LC_ALL="C", LD_PRELOAD=self.lib, HAKMEM_SHM_DIR=shm)
+        # The server's own words, so that a start that fails says why; one
+        # file per start, truncated, so the tail is this start's.
+        log = open(self.dir / "server.log", "wb")
         self.pm = self.as_pg([PG_BIN / "postgres", "-D", self.data, "-c", "listen_addresses=",
                               "-c", f"unix_socket_directories={self.dir}", "-c", "fsync=off",
                               "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
                               "-c", "logging_collector=off"],
-                             env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                             env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
         t_end = time.monotonic() + 60
         while time.monotonic() < t_end:
             if self.pm.poll() is not None:
-                raise TuneError(f"postgres exited at start ({self.pm.returncode})")
+                raise TuneError(f"postgres exited at start ({self.pm.returncode}): {self.log_tail()}")
             try:
                 lines = (self.data / "postmaster.pid").read_text().splitlines()
                 if len(lines) >= 8 and lines[7].strip() == "ready":
@@ -107,7 +111,13 @@ class Cluster:
             except OSError:
                 pass
             time.sleep(0.05)
-        raise TuneError("postgres did not become ready within 60 s")
+        raise TuneError(f"postgres did not become ready within 60 s: {self.log_tail()}")
+
+    def log_tail(self):
+        try:
+            return (self.dir / "server.log").read_text(errors="replace").strip()[-600:] or "(it said nothing)"
+        except OSError as e:
+            return f"(no log: {e})"
 
     def _check_preloaded(self):
         """ld.so skips a preload it cannot open (a library the postgres

@@ -47,7 +47,7 @@ from .learning import Context, Decision, Evaluation, Window, canonical, same
 from .objective import Prices, default_objective, window_time_cost
 from .discovery import Candidate, Directory
 from .lease import Lease, LeaseError
-from .procfs import proc_rss, proc_start_time, proc_stat, proc_uids, program_identity
+from .procfs import cpu_seconds_between, proc_rss, proc_start_time, proc_stat, proc_uids, program_identity
 from .ring import Ring, RingError
 from .store import Store, StoreError, program_key
 
@@ -968,7 +968,7 @@ class Daemon:
         minflt = cpu = 0.0
         if st is not None and p.prev_stat is not None:
             minflt = max(st["minflt"] - p.prev_stat["minflt"], 0) / dt
-            cpu = max(st["utime"] + st["stime"] - p.prev_stat["utime"] - p.prev_stat["stime"], 0) / dt
+            cpu = cpu_seconds_between(p.prev_stat, st) / dt
         if st is not None:
             p.prev_stat = st
         kern, ksrc, kwhy = (self.kernel.window(p.pid, p.start_time, dt) if self.kernel is not None

@@ -21,7 +21,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 # ---- a process's figures ---------------------------------------------------------
 def proc_stat(pid: int) -> dict | None:
     """ppid, minflt, majflt, utime/stime and the waited-for children's
-    cutime/cstime (seconds), threads, start_time; None if gone."""
+    cutime/cstime (seconds), cpu_ticks (utime + stime in clock ticks, for
+    differences: cpu_seconds_between), threads, start_time; None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -30,9 +31,20 @@ def proc_stat(pid: int) -> dict | None:
         return {"ppid": int(rest[1]), "minflt": int(rest[7]), "majflt": int(rest[9]),
                 "utime": int(rest[11]) / hz, "stime": int(rest[12]) / hz,
                 "cutime": int(rest[13]) / hz, "cstime": int(rest[14]) / hz,
+                "cpu_ticks": int(rest[11]) + int(rest[12]), "hz": hz,
                 "threads": int(rest[17]), "start_time": int(rest[19])}
     except (OSError, ValueError, IndexError):
         return None
+
+
+def cpu_seconds_between(prev: dict, cur: dict) -> float:
+    """The CPU seconds (user + system) a process spent between two
+    proc_stat readings: 0.0 exactly when its tick count did not move. In
+    seconds each, (0.31 + 0.05) - (0.30 + 0.06) came out 6.9e-17, not 0: a
+    block of windows with "some" CPU that a ratio of CPU per allocation
+    then put at 10^14 times another's (learnd logged "+72347243275562256%"
+    and rolled a trial back on it)."""
+    return max(cur["cpu_ticks"] - prev["cpu_ticks"], 0) / cur["hz"]
 
 
 def proc_children(pid: int) -> list[int]:

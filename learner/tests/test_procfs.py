@@ -58,6 +58,23 @@ def test_proc_stat_of_a_live_process(child):
         assert st["start_time"] == int(f.read().rsplit(")", 1)[1].split()[19])
 
 
+def test_cpu_between_two_readings_is_whole_ticks_and_zero_when_none_passed(child):
+    """learnd's window CPU: a process whose ticks did not move spent 0.0,
+    not the 7e-17 that subtracting sums of seconds leaves (31 + 5 ticks
+    then 30 + 6: same total, user and system split differently)."""
+    p, said = child
+    st = procfs.proc_stat(p.pid)
+    assert st["cpu_ticks"] == round((st["utime"] + st["stime"]) * st["hz"]) > 0
+    hz = st["hz"]
+    for (u0, s0), (u1, s1) in (((30, 6), (31, 5)), ((130, 8), (131, 7)), ((7, 1), (7, 1))):
+        a = {"utime": u0 / hz, "stime": s0 / hz, "cpu_ticks": u0 + s0, "hz": hz}
+        b = {"utime": u1 / hz, "stime": s1 / hz, "cpu_ticks": u1 + s1, "hz": hz}
+        assert procfs.cpu_seconds_between(a, b) == 0.0
+    assert procfs.cpu_seconds_between({"cpu_ticks": 10, "hz": hz}, {"cpu_ticks": 13, "hz": hz}) == 3 / hz
+    assert procfs.cpu_seconds_between({"cpu_ticks": 13, "hz": hz}, {"cpu_ticks": 10, "hz": hz}) == 0.0   # a recycled pid
+    assert procfs.cpu_seconds_between(st, procfs.proc_stat(p.pid)) >= 0
+
+
 def test_children_and_the_time_of_those_reaped(child):
     """A server's CPU (bench/services.py): its live children are found by
     their parent, and a child's time counts for its parent once waited for."""

@@ -241,6 +241,96 @@ def test_gp_ends_an_ab_trial_whose_next_block_is_never_taken_up():
     assert lrn.state() == "settled" and same(lrn.incumbent()[0], ctx.default)
 
 
+def lagging(rng, gain=0.85, lag=(1.05, 1.0), back=(1.3,), noise=0.02):
+    """Costs of a program whose policy's effect lags its switch (phases
+    switched between the default and cap=4, 1-s windows): the candidate's
+    first windows still hold the incumbent's memory and pay its refaults
+    (lag), then it costs `gain`; back under the incumbent, the first windows
+    fault the memory in again (back). cost(side, i) for run(), which tells
+    the switches from the sides."""
+    state = {"side": None, "since": 0}
+
+    def cost(side, i):
+        state["since"] = state["since"] + 1 if side == state["side"] else 0
+        state["side"] = side
+        k = state["since"]
+        if side == "C":
+            c = lag[k] if k < len(lag) else gain
+        else:
+            c = back[k] if state["seen_c"] and k < len(back) else 1.0
+        state["seen_c"] = state.get("seen_c") or side == "C"
+        return c * math.exp(noise * rng.standard_normal())
+    state["seen_c"] = False
+    return cost
+
+
+def test_windows_after_a_switch_are_left_out_so_a_policy_is_judged_on_its_settled_effect():
+    """A candidate 15% cheaper once settled, whose first two windows after
+    the switch cost the incumbent's and more, and whose switch back costs
+    the incumbent 30% for a window: judged on every window it is taken in
+    fewer than a third of trials (bench-learn's phases lost cap=4 so, in 2
+    full runs of 3); with the two
+    windows after each switch left out it is taken, and those windows count
+    for neither side."""
+    rng = np.random.default_rng(11)
+    plain = settled = 0
+    for _ in range(200):
+        prior = choose_block(np.exp(0.02 * rng.standard_normal(10)))
+        v, _ = run(Paired("C", "I", prior, first="I"), lagging(rng))
+        plain += v == "accepted"
+        p = Paired("C", "I", prior, first="I", settle=2)
+        v, n = run(p, lagging(rng))
+        settled += v == "accepted"
+        assert p.settled == n - 2 * len(p.pairs) * p.block
+    assert plain <= 60 and settled >= 190, (plain, settled)
+    assert "2 after switches left out" in p.describe(), p.describe()
+
+
+def test_a_candidate_far_dearer_right_after_its_switch_ends_the_trial_there():
+    """Left out of the pairs, a window after the switch still ends the
+    trial when it costs past 1 + abort times the incumbent's block before:
+    the program does not pay the rest of the settling for it."""
+    p = Paired("C", "I", 1, first="I", settle=2)
+    v, n = run(p, lambda side, i: 3.0 if side == "C" else 1.0)
+    assert v == "rolled_back" and n == 2 and p.pairs == [], (v, n, p.pairs)
+    assert abs(p.relative - 2.0) < 1e-9 and "after the switch cost +200.0%" in p.describe(), p.describe()
+    # Judged a block at a time: a program whose burst falls in every other
+    # window (blocks of 2) is not cut short on its burst's window alone.
+    burst = lambda side, i: (5.0 if i % 2 else 0.1) * (0.8 if side == "C" else 1.0)
+    p = Paired("C", "I", 2, first="I", settle=2, max_pairs=3)
+    v, n = run(p, burst)
+    assert v == "accepted" and p.cut_short is None and len(p.pairs) >= 2, (v, p.pairs, p.describe())
+    # Under the bound, it settles and is judged on its pairs.
+    p = Paired("C", "I", 1, first="I", settle=2)
+    v, n = run(p, lambda side, i: 1.4 if side == "C" else 1.0)
+    assert v == "rolled_back" and p.pairs and p.settled >= 2, (v, p.pairs)
+
+
+def test_gp_leaves_out_the_drain_interval_and_half_a_second_after_each_switch():
+    ctx = make_ctx()
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    sim = Sim(ctx, noise=0.01)
+    for i in range(4):
+        lrn.observe(sim.window(i, ctx.default, ctx.default))
+    drain = lambda ms: ctx.clamp({**ctx.default.to_dict(), "drain_ms": ms})
+    assert ctx.default.drain_ms == 1000
+    assert lrn._settle_windows(ctx.default) == 2           # 1.5 s of 1-s windows
+    assert lrn._settle_windows(drain(100)) == 2            # the incumbent's 1 s drain still
+    lrn._inc = drain(100)
+    assert lrn._settle_windows(drain(100)) == 1
+    assert lrn._settle_windows(drain(10000)) == 3          # at most settle_max
+    # ... and a screened candidate's trial runs so.
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    good = ctx.clamp(with_hot(ctx.default, 512, 1024))
+    lrn.screened([Ranked("good", good, 0.8, 0.01, 0, 0), Ranked("default", ctx.clamp(ctx.default), 1.0, 0.01, 0, 0)])
+    d = next(d for d in (lrn.observe(sim.window(i, ctx.default, ctx.default)) for i in range(40)) if d is not None)
+    assert d.kind == "explore" and "the first 2 after each switch left out" in d.reason, d.reason
+    assert lrn._ab.settle == 2
+
+
 def test_a_burst_spanning_two_windows_is_priced_per_block_not_per_window():
     """bench-learn's spikes under 1 s windows: a window with the spike's
     allocations, then one with the page faults of writing them and a

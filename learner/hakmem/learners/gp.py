@@ -84,6 +84,8 @@ class GPParams:
     # runner-up.
     max_ties: int = 1
     ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
+    settle_extra_s: float = 0.5     # after a switch, windows left out for the drain intervals and this (paired.py)
+    settle_max: int = 3             # ... at most
     cpu_tolerance: float = 0.01     # what a screened candidate may add to the cost measured from the program's CPU (paired.py)
 
     def __post_init__(self):
@@ -527,11 +529,17 @@ class GPLearner(Reporting):
                                                    f"{self.p.stall_windows} windows: back to the incumbent, settled",
                             self._take())
         self._ab_wait = 0
-        if ab.side == "I":
+        # A window right after a switch (paired.py, settle) is the switch's,
+        # not evidence for either policy.
+        if ab.settling:
+            pass
+        elif ab.side == "I":
             self._inc_add(w)
         else:
             t.add(w)
         step = ab.add(raw)
+        if ab.cut_short and t.n == 0:
+            t.add(w)        # the one window it ran, which ended it
         if step is None or step == "same":
             return None
         if step == "switch":
@@ -541,8 +549,7 @@ class GPLearner(Reporting):
         self._ab = None
         # The incumbent's cost is the mean of its own blocks in the trial,
         # measured beside the candidate's.
-        inc = float(np.mean([i for _, i in ab.pairs]))
-        cand = float(np.mean([c for c, _ in ab.pairs]))
+        cand, inc = ab.cut_short or (float(np.mean([c for c, _ in ab.pairs])), float(np.mean([i for _, i in ab.pairs])))
         return self._conclude(step, inc, ab.describe(), cand)
 
     def _conclude(self, verdict: str, inc: float, change: str, cand: float | None = None) -> Decision:
@@ -649,12 +656,13 @@ class GPLearner(Reporting):
                 self._ab = Paired(c.knobs, self._inc, self._block, ref=ref, max_pairs=pairs,
                                   margin=self.p.min_margin, abort=self.p.ab_abort, first="I",
                                   measured_prior=measured_prior(self._inc_raw, self._block.windows, ref),
-                                  cpu_tolerance=self.p.cpu_tolerance)
+                                  cpu_tolerance=self.p.cpu_tolerance, settle=self._settle_windows(c.knobs))
                 parts = self._space.describe(c.knobs, self._inc) or ["a policy outside the search's dimensions"]
-                n = self._block.windows
+                n, k = self._block.windows, self._ab.settle
+                left = f", the first {k} after each switch left out" if k else ""
                 return Decision(self._inc, "explore", f"explore {', '.join(parts)} [screened; {c.why}; A/B against "
                                                       f"the incumbent in blocks of {n} window{'s' if n > 1 else ''}, "
-                                                      f"the incumbent's first]", self._take())
+                                                      f"the incumbent's first{left}]", self._take())
             # The replay's ranking is the search: what it ranks cheaper was
             # tried, and nothing else is (no blind trial risks the program).
             self._screen = "done"
@@ -679,6 +687,15 @@ class GPLearner(Reporting):
         if c.why:
             parts[0] += f" ({c.why})"
         return Decision(c.knobs, "explore", f"explore {', '.join(parts)} [{how}]", self._take())
+
+    def _settle_windows(self, cand) -> int:
+        """Windows left out after each switch of an A/B trial (paired.py):
+        enough to span the longer drain interval of the two policies and
+        settle_extra_s, in this program's windows, at most settle_max."""
+        drain_s = max(int(cand.drain_ms), int(self._inc.drain_ms)) / 1000.0
+        lens = [w.t_end - w.t_start for w in self._recent if w.t_end > w.t_start]
+        width = float(np.median(lens)) if lens else 1.0
+        return min(self.p.settle_max, max(1, math.ceil((drain_s + self.p.settle_extra_s) / width - 1e-9)))
 
     def _evidence(self) -> dict[tuple[int, int], tuple[float, str]]:
         """What the incumbent's counters say about each coordinate step:

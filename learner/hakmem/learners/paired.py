@@ -26,6 +26,21 @@ THE TEST
     per-window pricing (time per allocation of that window) would, for a
     program whose bursts span two windows, price the page faults of writing
     a burst by the handful of allocations in the window they fall in.
+  - A policy's effect on memory lags its switch: what a policy gives back
+    goes back at its drain interval, and what it keeps is faulted in again
+    as the program reuses it. On bench-learn's phases (drain 1 s, 1-s
+    windows) switched between the default and cap=4 every 4 s: under cap=4
+    the resident memory fell from 163 to 135 MiB over 2-3 s, the CPU per
+    operation up 20-60% from 1 to 2.5 s after the switch, then back to the
+    default's; switched back, 2.5 times the CPU per operation 0.5-1 s
+    after. With one-window blocks every block was such a transition: the
+    candidate's first window had the incumbent's memory, and cap=4, the
+    grid's best (-15%), was rolled back in 2 of 3 full runs (+1.6% and
+    +10.9% on one pair). So the first `settle` windows of every block that
+    follows a switch are run and left out (the learner sets it from the
+    drain intervals of both policies and the window's length); a window
+    among them whose cost is past 1 + `abort` times the incumbent's last
+    block (judged a block of them at a time) ends the trial as a pair would.
   - Each pair gives d = log(C cost / I cost): costs are positive and a
     policy changes them by a factor.
   - After each pair (at most `max_pairs` looks), a one-sided t-test on the
@@ -251,7 +266,7 @@ class Paired:
     def __init__(self, cand, inc, block: Block | int = 1, *, ref: float | None = None, max_pairs: int = 6,
                  margin: float = 0.005, abort: float = 0.5, sd_floor: float = 0.01, first: str = "C",
                  futile_after: int | None = 2, measured_prior: Block | None = None,
-                 cpu_tolerance: float = 0.01):
+                 cpu_tolerance: float = 0.01, settle: int = 0):
         self.cand, self.inc, self.ref = cand, inc, ref
         if first not in ("C", "I"):
             raise ValueError(f"first: 'C' or 'I', not {first!r}")
@@ -278,6 +293,13 @@ class Paired:
         self._blocks = 0            # blocks finished
         self._n = 0                 # windows in the current block
         self.t = 0.0
+        self.settle = max(0, int(settle))
+        # A C-first trial's first block follows the switch to the candidate.
+        self._skip = self.settle if first == "C" else 0
+        self.settled = 0            # windows run and left out, after switches
+        self._last_i: float | None = None   # the incumbent's last block's cost
+        self.cut_short: tuple[float, float] | None = None   # (C, I) costs where settle windows ended it
+        self._settling: list = []   # settle windows not yet a whole block
 
     def _side(self, b: int) -> str:
         # ABBA: C I | I C | C I ... (or I C | C I | I C ... from first="I")
@@ -287,6 +309,11 @@ class Paired:
     @property
     def side(self) -> str:
         return self._side(self._blocks)
+
+    @property
+    def settling(self) -> bool:
+        """The next window is one left out after a switch."""
+        return self._skip > 0
 
     def want(self):
         return self.cand if self.side == "C" else self.inc
@@ -299,16 +326,35 @@ class Paired:
     def relative(self) -> float:
         """The candidate's cost relative to the incumbent's, from the pairs."""
         d = self.diffs
+        if not d and self.cut_short:
+            return self.cut_short[0] / self.cut_short[1] - 1
         return math.expm1(float(np.mean(d))) if d else 0.0
 
     def add(self, window) -> str | None:
         """window: (time, mem, allocs) of one window, or its cost."""
+        if self._skip:
+            self._skip -= 1
+            self.settled += 1
+            # Judged a block at a time, as the pairs are: one window of a
+            # program that bursts every other window is not a block's cost.
+            self._settling.append(window)
+            whole = len(self._settling) == self.block
+            c = block_cost(self._settling, self.ref) if whole and self.side == "C" and self._last_i is not None else None
+            if whole or not self._skip:
+                self._settling = []
+            if c is not None and c > (1 + self.abort) * self._last_i:
+                self.cut_short = (c, self._last_i)
+                self.why = f"its first block after the switch cost {_pct(c / self._last_i - 1)} vs the incumbent's last"
+                return "rolled_back"
+            return None
         self._cur[self.side].append(window)
         self._n += 1
         if self._n < self.block:
             return None
         self._n = 0
         was = self.side
+        if was == "I":
+            self._last_i = block_cost(self._cur["I"], self.ref)
         self._blocks += 1
         if self._blocks % 2 == 0:
             c, i = block_cost(self._cur["C"], self.ref), block_cost(self._cur["I"], self.ref)
@@ -322,7 +368,10 @@ class Paired:
             v = self._measured_stop() or self._verdict()
             if v:
                 return v
-        return "same" if self.side == was else "switch"
+        if self.side == was:
+            return "same"
+        self._skip = self.settle
+        return "switch"
 
     def _verdict(self) -> str | None:
         d = np.asarray(self.diffs)
@@ -398,7 +447,8 @@ class Paired:
     def describe(self) -> str:
         n = len(self.pairs)
         s = (f"cost {_pct(self.relative)} vs incumbent over {n} A/B pair{'s' if n != 1 else ''} "
-             f"of {self.block} window{'s' if self.block != 1 else ''} (t {self.t:+.1f})")
+             f"of {self.block} window{'s' if self.block != 1 else ''}"
+             f"{f', {self.settled} after switches left out' if self.settled else ''} (t {self.t:+.1f})")
         if self.why:
             return f"{s}; {self.why}"
         return s if not self.measured_pairs else f"{s}; {self._measured()}"

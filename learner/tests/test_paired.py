@@ -331,6 +331,35 @@ def test_gp_leaves_out_the_drain_interval_and_half_a_second_after_each_switch():
     assert lrn._ab.settle == 2
 
 
+def test_a_trial_in_progress_is_flushed_once_per_new_window():
+    """learnd flushes a program's learner when its last process exits and
+    again when learnd stops: a trial under way was stored twice, and the
+    second copy, stored after the fleet's worker stopped, never reached the
+    fleet (test_fleet's 'nothing lost, nothing doubled' at 7039b3b, whose
+    longer trials were still under way at the program's exit)."""
+    ctx = make_ctx()
+    sim = Sim(ctx, noise=0.01)
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    good = ctx.clamp(with_hot(ctx.default, 512, 1024))
+    lrn.screened([Ranked("good", good, 0.8, 0.01, 0, 0), Ranked("default", ctx.clamp(ctx.default), 1.0, 0.01, 0, 0)])
+    in_force, i = ctx.default, 0
+    while lrn._trial is None or lrn._trial.n < 2:
+        d = lrn.observe(sim.window(i, in_force, in_force))
+        if d is not None:
+            in_force = d.knobs
+        i += 1
+        assert i < 60, "no trial under way"
+    first = [e for e in lrn.flush() if same(e.knobs, good)]
+    assert len(first) == 1 and first[0].verdict == "measured" and first[0].windows == lrn._trial.n
+    assert lrn.flush() == [], "nothing new since"
+    n = lrn._trial.n
+    lrn._trial.add(sim.window(i, in_force, in_force))      # one more window of it
+    again = [e for e in lrn.flush() if same(e.knobs, good)]
+    assert len(again) == 1 and again[0].windows == n + 1
+
+
 def test_a_burst_spanning_two_windows_is_priced_per_block_not_per_window():
     """bench-learn's spikes under 1 s windows: a window with the spike's
     allocations, then one with the page faults of writing them and a

@@ -81,6 +81,7 @@ class _Run:
         self.cost: list[float] = []
         self.time: list[float] = []
         self.mem: list[float] = []
+        self.flushed = 0      # windows handed over in a "measured" evaluation already (GPLearner.flush)
 
     def add(self, w: Window) -> None:
         self.t0 = w.t_start if self.t0 is None else self.t0

@@ -350,9 +350,13 @@ class GPLearner(Reporting):
             out.append(self._inc_run.evaluation("measured"))
             self._inc_run = _Run(self._inc)
         # A trial cut short still measured something; its verdict, if it
-        # gets one later, covers these windows again.
-        if self._trial is not None and self._trial.n:
+        # gets one later, covers these windows again. Once per new window:
+        # learnd flushes when a program's last process exits and again when
+        # it stops, and the second flush stored the same trial twice (after
+        # the fleet's worker had stopped: one evaluation never pushed).
+        if self._trial is not None and self._trial.n > self._trial.flushed:
             out.append(self._trial.evaluation("measured", self._inc, self._inc_mean()))
+            self._trial.flushed = self._trial.n
         return out
 
     # -- introspection ----------------------------------------------------------------

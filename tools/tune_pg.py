@@ -25,6 +25,7 @@ import pwd
 import re
 import shutil
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -90,9 +91,7 @@ class Cluster:
 
     def start(self, shm):
         e = env(LC_ALL="C", LD_PRELOAD=self.lib, HAKMEM_SHM_DIR=shm)
-        # The server's own words, so that a start that fails says why; one
-        # file per start, truncated, so the tail is this start's.
-        log = open(self.dir / "server.log", "wb")
+        log = self._open_log()
         self.pm = self.as_pg([PG_BIN / "postgres", "-D", self.data, "-c", "listen_addresses=",
                               "-c", f"unix_socket_directories={self.dir}", "-c", "fsync=off",
                               "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
@@ -113,11 +112,35 @@ class Cluster:
             time.sleep(0.05)
         raise TuneError(f"postgres did not become ready within 60 s: {self.log_tail()}")
 
+    # The server's own words, so that a start that fails says why: one file
+    # per start, truncated, so the tail is this start's. The directory is
+    # the postgres account's, so what is there is opened without following
+    # a link or waiting on a FIFO, and must be a regular file.
+    LOG_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+    def _open_log(self):
+        try:
+            fd = os.open(self.dir / "server.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self.LOG_FLAGS, 0o600)
+        except OSError as e:
+            raise TuneError(f"cannot open the server's log {self.dir / 'server.log'}: {e.strerror}")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise TuneError(f"{self.dir / 'server.log'} is not a regular file")
+        return os.fdopen(fd, "wb")
+
     def log_tail(self):
         try:
-            return (self.dir / "server.log").read_text(errors="replace").strip()[-600:] or "(it said nothing)"
+            fd = os.open(self.dir / "server.log", os.O_RDONLY | self.LOG_FLAGS)
         except OSError as e:
-            return f"(no log: {e})"
+            return f"(no log: {e.strerror})"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return "(no log: not a regular file)"
+            data = os.pread(fd, 600, max(0, st.st_size - 600))
+        finally:
+            os.close(fd)
+        return data.decode(errors="replace").strip() or "(it said nothing)"
 
     def _check_preloaded(self):
         """ld.so skips a preload it cannot open (a library the postgres

@@ -90,3 +90,39 @@ def test_a_library_postgres_cannot_load_is_an_error_not_a_glibc_measurement(tmp_
     assert "did not load" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
     dirs, procs = leftovers()
     assert procs == [], procs
+
+
+def test_the_servers_log_is_never_opened_through_a_link_or_a_fifo(tmp_path):
+    """The cluster directory belongs to the postgres account: a link it
+    plants where the server's log goes must not make root truncate the
+    link's target, nor a FIFO there hang the error message that reads it."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import tune_pg
+    cl = tune_pg.Cluster("", (os.geteuid(), os.getegid()))
+    try:
+        target = tmp_path / "precious"
+        target.write_text("keep me")
+        (cl.dir / "server.log").symlink_to(target)
+        try:
+            cl._open_log()
+            raise AssertionError("opened through a link")
+        except tune_pg.TuneError as e:
+            assert "server.log" in str(e)
+        assert target.read_text() == "keep me"
+        assert cl.log_tail().startswith("(no log: ")
+        (cl.dir / "server.log").unlink()
+        os.mkfifo(cl.dir / "server.log")
+        assert cl.log_tail() == "(no log: not a regular file)"
+        try:
+            cl._open_log()
+            raise AssertionError("opened a FIFO")
+        except tune_pg.TuneError:
+            pass
+        (cl.dir / "server.log").unlink()
+        with cl._open_log() as f:
+            f.write(b"x" * 1000 + b"FATAL:  the end")
+        tail = cl.log_tail()
+        assert tail.endswith("FATAL:  the end") and len(tail) == 600
+    finally:
+        cl.cleanup()
+

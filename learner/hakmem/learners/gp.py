@@ -535,12 +535,8 @@ class GPLearner(Reporting):
         self._ab_wait = 0
         # A window right after a switch (paired.py, settle) is the switch's,
         # not evidence for either policy.
-        if ab.settling:
-            pass
-        elif ab.side == "I":
-            self._inc_add(w)
-        else:
-            t.add(w)
+        if not ab.settling:
+            self._inc_add(w) if ab.side == "I" else t.add(w)
         step = ab.add(raw)
         if ab.cut_short and t.n == 0:
             t.add(w)        # the one window it ran, which ended it

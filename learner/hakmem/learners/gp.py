@@ -536,7 +536,7 @@ class GPLearner(Reporting):
         # A window right after a switch (paired.py, settle) is the switch's,
         # not evidence for either policy.
         if not ab.settling:
-            self._inc_add(w) if ab.side == "I" else t.add(w)
+            (self._inc_add if ab.side == "I" else t.add)(w)
         step = ab.add(raw)
         if ab.cut_short and t.n == 0:
             t.add(w)        # the one window it ran, which ended it

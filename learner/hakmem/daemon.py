@@ -848,7 +848,8 @@ class Daemon:
         self.event("screened", f"{scr.describe(ranked)}; {took:.1f} s", prog)
         from . import replay as R
         for _, res in scr.results:
-            self.writes.add(lambda s, r=res, f=scr.facts, o=prog.objective: R.save(s, f, o, r, prog.program_id))
+            self.writes.add(lambda s, r=res, f=scr.facts, o=prog.objective: R.save(s, f, o, r, prog.program_id,
+                                                                            prices=self.prices))
         prog.learner.screened(ranked)
 
     # ---- applying policies ------------------------------------------------------

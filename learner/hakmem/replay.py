@@ -390,8 +390,32 @@ def stored(store, facts: TraceFacts, objective: Objective, prices: Prices | None
     return out
 
 
-def save(store, facts: TraceFacts, objective: Objective, r: Result, program_id=None) -> None:
+def search_prices(store, facts: TraceFacts, objective: Objective) -> Prices | None:
+    """The prices this trace's first stored result was priced at, or None
+    (nothing stored, or stored before results kept their prices). A learner's
+    search continued from the store is the same search only at the same
+    prices: calibrated again, a fault's price moves a few percent between
+    runs, the costs with it, and the search's next pick."""
+    row = store.db.execute("SELECT result FROM replay_runs WHERE trace_hash = ? AND objective = ? "
+                           "ORDER BY created, rowid LIMIT 1", (facts.hash, objective.describe())).fetchone()
+    try:
+        p = json.loads(row["result"] or "{}").get("_prices") if row else None
+        if not isinstance(p, dict):
+            return None
+        f, s = float(p["fault_s"]), float(p["syscall_s"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    # A stored figure is not trusted blindly: a price outside what any
+    # machine measures is no price to search at.
+    if not (1e-9 <= f <= 1e-3 and 1e-9 <= s <= 1e-3):
+        return None
+    return Prices(fault_s=f, syscall_s=s)
+
+
+def save(store, facts: TraceFacts, objective: Objective, r: Result, program_id=None, prices=None) -> None:
     raw = dict(r.raw, _run_costs=r.run_costs)
+    if prices is not None:
+        raw["_prices"] = {"fault_s": prices.fault_s, "syscall_s": prices.syscall_s}
     with store.tx() as db:
         db.execute(
             "INSERT OR REPLACE INTO replay_runs (trace_hash, trace_path, exe, build_id, program_id, knobs, knobs_hash, "
@@ -514,7 +538,7 @@ class Sweep:
 
     def _save(self, r):
         if self.store is not None:
-            save(self.store, self.facts, self.objective, r)
+            save(self.store, self.facts, self.objective, r, prices=self.prices)
 
     def many(self, policies: list[dict]) -> list[Result]:
         """Every policy's result; Ctrl-C ends the replays under way and

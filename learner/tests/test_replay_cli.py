@@ -308,6 +308,18 @@ def test_learner_sweep_is_the_learners_own_search(trace, tmp_path):
                           "--json", "--db", db).stdout)
     assert again["replayed"] == 0
     assert [x["knobs_hash"] for x in again["results"]] == [x["knobs_hash"] for x in out["results"]]
+    # At the prices it began with: calibrated afresh they move a few percent
+    # between runs, and the search's picks with them.
+    assert out["prices"]["source"] == "measured here"
+    assert again["prices"] == dict(out["prices"], source="as when this search began")
+    # A stored price no machine measures is not searched at: measured afresh.
+    with sqlite3.connect(db) as c:
+        for (rowid, res) in c.execute("SELECT rowid, result FROM replay_runs").fetchall():
+            c.execute("UPDATE replay_runs SET result = ? WHERE rowid = ?",
+                      (json.dumps(dict(json.loads(res), _prices={"fault_s": -1.0, "syscall_s": 2e-6})), rowid))
+    third = json.loads(hk("replay", trace, "--sweep", "learner", "--budget", "5", "--repeat", "3",
+                          "--json", "--db", db, timeout=120).stdout)
+    assert third["prices"]["source"] == "measured here"
 
 
 # ---- --promote, applied by a real hakmem-learnd ------------------------------------------------

@@ -201,14 +201,23 @@ def _prices_json(prices: Prices) -> dict:
     return {"fault_s": prices.fault_s, "syscall_s": prices.syscall_s}
 
 
-def _prices_text(prices: Prices) -> str:
-    return f"a fault {prices.fault_s * 1e6:.2f} us, an OS call {prices.syscall_s * 1e6:.2f} us (measured here)"
+def _prices_text(prices: Prices, where="measured here") -> str:
+    return f"a fault {prices.fault_s * 1e6:.2f} us, an OS call {prices.syscall_s * 1e6:.2f} us ({where})"
 
 
 def _sweep(args, facts, st, objective, replayer, prices):
     from ..progress import progress
     kind = args.sweep
     budget = args.budget
+    where = "measured here"
+    if kind == "learner" and st is not None:
+        # A learner's search continued from the store runs at the prices it
+        # began with, so that it picks the same policies and replays only
+        # what it has not; a grid is priced afresh (every point is replayed
+        # or reused whatever the prices, and ranked at today's).
+        began = R.search_prices(st, facts, objective)
+        if began is not None:
+            prices, where = began, "as when this search began"
     bar = progress(total=None, desc=f"replay {kind}", unit="policy")
 
     def tick(r):
@@ -265,7 +274,8 @@ def _sweep(args, facts, st, objective, replayer, prices):
         _out_json({"trace": {"path": facts.path, "hash": facts.hash, "exe": facts.exe, "build_id": facts.build_id,
                              "events": facts.events, "duration_s": facts.duration_s,
                              "hot_classes": facts.hot_classes()},
-                   "kind": kind, "objective": objective.describe(), "prices": _prices_json(prices),
+                   "kind": kind, "objective": objective.describe(),
+                   "prices": dict(_prices_json(prices), source=where),
                    "repeat": args.repeat,
                    "replayed": sw.replayed, "default": base.as_json(),
                    "results": [dict(r.as_json(), label=lab, pareto=i in front, rank=i + 1)
@@ -276,7 +286,7 @@ def _sweep(args, facts, st, objective, replayer, prices):
         return 0
     print(f"{facts.path}: {kind} sweep of {len(results)} policies ({sw.replayed} replayed now, "
           f"{len(results) - sw.replayed} stored), {args.repeat} runs each; cost {objective.describe()}; "
-          f"{_prices_text(prices)}")
+          f"{_prices_text(prices, where)}")
     _table(("#", "policy (* Pareto)", "time cost", "RSS MiB", "os calls", "cost", "spread", "vs default", ""),
            _rows(results, labels, dcost, front))
     verdict = ("beats the default beyond the spread" if best.cost < dcost * (1 - max(best.spread, base.spread))

@@ -351,6 +351,59 @@ def test_a_gate_nobody_opens_slows_a_replay_and_never_stops_it(tmp_path):
     assert run["wall_s"] >= run["held_s"] + 0.28, "the trace's gap was eaten by the holds"
 
 
+def late_peak_trace(path, mib=32):
+    """One thread: a small block at once, 1.2 s of nothing, then `mib` MiB
+    in 64 KiB blocks held until the trace ends at 1.5 s: a time-averaged
+    RSS of about a fifth of the peak, all of it in the trace's last 0.3 s."""
+    w = TraceWriter(path, pid=1, exe="/usr/bin/late")
+    n = mib * 16
+    evs = [(MALLOC, 64, 0, 0x1000, 0, 1000)]
+    evs += [(MALLOC, 65536, 0, 0x10000000 + 0x20000 * i, 0, 1_200_000_000 + i) for i in range(n)]
+    evs += [(FREE, 0, 0, 0x10000000 + 0x20000 * i, 0, 1_500_000_000 + i) for i in range(n)]
+    evs.append((FREE, 0, 0, 0x1000, 0, 1_500_000_000 + n))
+    w.chunk(1, evs)
+    w.close()
+
+
+def test_a_gate_closed_while_the_replay_sleeps_through_an_idle_gap_leaves_its_memory_as_it_is(tmp_path):
+    """The mean resident memory leaves out only the time a thread is held
+    at the gate. learnd's gate also closes while a replay sleeps through one
+    of the trace's own idle gaps; leaving those samples out weighed the
+    replay's busy part over its idle part (bench-learn's spikes: a policy's
+    memory measured 1.7 times what it held live). Here the gate is closed
+    through most of the trace's idle 1.2 s, the replay never waits at it,
+    and its mean RSS is the ungated one's, not the 2 times more of counting
+    the late peak alone."""
+    import threading
+    tr, gate = tmp_path / "late.trace", tmp_path / "gate"
+    late_peak_trace(tr)
+    gate.write_bytes(b"\0")
+    free = replay_json("--repeat", "3", tr)
+    means = []
+    for _ in range(3):
+        gate.write_bytes(b"\0")
+        p = subprocess.Popen([str(REPLAY), "--json", "--gate", str(gate), str(tr)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=clean_env())
+
+        def toggle():
+            time.sleep(0.3)
+            gate.write_bytes(b"\1")
+            time.sleep(0.7)
+            gate.write_bytes(b"\0")
+        t = threading.Thread(target=toggle)
+        t.start()
+        out, err = p.communicate(timeout=scaled(30))
+        t.join()
+        assert p.returncode == 0, err
+        run = json.loads(out)["runs"][0]
+        assert run["held_s"] == 0, run
+        means.append(run["mean_rss_bytes"])
+    ungated = sorted(r["mean_rss_bytes"] for r in free["runs"])[1]
+    gated = sorted(means)[1]
+    assert 4 << 20 <= ungated <= 10 << 20, free["runs"]
+    assert 0.75 * ungated <= gated <= 1.3 * ungated, (gated, ungated)
+
+
 def test_nice_and_cpus_are_the_replays_own_and_its_runs(tmp_path):
     """learnd asks for --nice 19 and, beside an intermittent program, --cpus:
     the replayer sets both on itself before it does anything, and its runs

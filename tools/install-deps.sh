@@ -17,6 +17,11 @@
 #     ops          systemd (systemd-analyze, systemd-tmpfiles), for
 #                  learner/tests/test_make_install.py (deploy/'s unit)
 set -euo pipefail
+# Everything this says is progress, on stderr: callers run it on the way to
+# printing JSON on their stdout (bench/learn_real.py --json on a machine
+# without redis printed "install-deps: installing redis-server ..." before
+# its document, and its test failed to parse it).
+exec 1>&2
 
 base=(build-essential g++ valgrind sqlite3 git perl python3 python3-venv procps protobuf-compiler
       protobuf-c-compiler libprotobuf-c-dev pkg-config)

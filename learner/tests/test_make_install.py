@@ -169,3 +169,26 @@ def test_library_needs_only_libc_and_exports_only_its_api():
                if re.search(r"\b(FUNC|OBJECT)\s+(GLOBAL|WEAK)\s+DEFAULT\s+\d+\s", ln)]
     assert defined and not [s for s in defined if "protobuf" in s], defined
     assert {"malloc", "free", "hk_stats_get"} <= set(defined)
+
+
+def test_install_deps_says_everything_on_stderr(tmp_path):
+    """tools/install-deps.sh runs on the way to a document on stdout
+    (bench/learn_real.py --json installs redis or MariaDB when they are
+    missing): what it and apt print is progress, on stderr. On a machine
+    without redis, learn_real's JSON began with "install-deps: installing
+    redis-server redis-tools" and its test failed to parse it. Here dpkg-query
+    says nothing is installed and apt-get is a stand-in that prints on both."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in (("dpkg-query", "exit 1"),
+                       ("apt-get", 'echo "apt-get $* (stdout)"; echo "apt-get (stderr)" >&2')):
+        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake / name).chmod(0o755)
+    env = dict(clean_env(), PATH=f"{fake}:{os.environ['PATH']}")
+    if os.geteuid() != 0:
+        pytest.skip("install-deps.sh takes the sudo path when not root; this checks root's (CI's)")
+    r = subprocess.run([str(ROOT / "tools" / "install-deps.sh"), "redis"], capture_output=True, text=True,
+                       env=env, timeout=scaled(30))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "", r.stdout
+    assert "install-deps: installing redis-server redis-tools" in r.stderr and "(stdout)" in r.stderr, r.stderr

@@ -214,8 +214,8 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     ranked_ = [Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("better", better, 0.52, 0.005, 0, 0),
                Ranked("near2", near2, 0.53, 0.005, 0, 0),
                Ranked("far", far, 0.60, 0.005, 0, 0), Ranked("default", ctx.clamp(ctx.default), 1.0, 0.005, 0, 0)]
-    lrn = GPLearner(seed=0)
-    assert lrn.max_ties == 1
+    lrn = GPLearner(seed=0, max_ties=1)
+    assert GPLearner(seed=0).max_ties == 0, "off unless asked for (GPParams.max_ties)"
     lrn.start(ctx, ctx.default, [])
     lrn.screening()
     lrn.screened(ranked_)
@@ -242,7 +242,7 @@ def test_gp_gives_a_near_neighbour_no_better_live_at_most_three_pairs():
     assert not same(twin, good) and sim.truth(twin)["cost"] == sim.truth(good)["cost"]
     ranked_ = [Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("twin", twin, 0.51, 0.005, 0, 0),
                Ranked("default", ctx.clamp(ctx.default), 1.0, 0.005, 0, 0)]
-    lrn = GPLearner(seed=0)
+    lrn = GPLearner(seed=0, max_ties=1)
     assert lrn.tie_pairs == 3 < lrn.ab_pairs
     lrn.start(ctx, ctx.default, [])
     lrn.screening()

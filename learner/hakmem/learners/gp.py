@@ -81,8 +81,17 @@ class GPParams:
     # bench-learn's phases (full run at e41722d) two near neighbours in
     # blocks of 2 windows ran from 20 s to 52 s, into the 20 s judged, and
     # neither was taken in five full runs; idle-threads' case above was the
-    # runner-up.
-    max_ties: int = 1
+    # runner-up. None now: since the replay's fixes (the background thread
+    # from a live replay's start, prices, a gated replay's memory) it ranks
+    # idle-threads' cap=4 drain=100ms first (-29% against cap=4's -24%, full
+    # run at 98d9174), and there the near neighbours tried lost every time:
+    # idle-threads' rolled back (+5.8%), burst's rejected within noise,
+    # spikes' ran through the 20 s judged, and phases' took cap=4 over cap=4
+    # warm=max (-14% on one pair, its cost measured from the program's CPU
+    # -4.4%), which side by side then cost 1.06 times cap=4 warm=max; in a
+    # phases-only run it was rolled back (+20.7% measured) after a window
+    # 1.11 times the default's median, past the guard.
+    max_ties: int = 0
     ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
     settle_extra_s: float = 0.5     # after a switch, windows left out for the drain intervals and this (paired.py)
     settle_max: int = 3             # ... at most

@@ -230,6 +230,28 @@ def test_gp_confirms_online_the_candidates_the_replay_cannot_tell_apart():
     assert same(lrn.incumbent()[0], better) and lrn.state() == "settled"
 
 
+def test_gp_by_default_settles_on_the_replays_best_once_it_is_confirmed():
+    """With GPParams' defaults (max_ties 0) the runner-up the replay cannot
+    tell from the confirmed best is not tried: in bench-learn at 98d9174
+    such trials lost on all four workloads, and on phases took the dearer
+    of two near neighbours."""
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    good = ctx.clamp(with_hot(ctx.default, 512, 1024))
+    better = ctx.clamp(with_hot(ctx.default, 512, 2048))
+    lrn = GPLearner(seed=0)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    lrn.screened([Ranked("good", good, 0.500, 0.005, 0, 0), Ranked("better", better, 0.52, 0.005, 0, 0),
+                  Ranked("default", ctx.clamp(ctx.default), 1.0, 0.005, 0, 0)])
+    decisions, _, _ = drive_started(lrn, sim, ctx, 60)
+    kinds = tried(decisions)
+    decisions = [d for _, d in decisions if d.kind != "ab"]
+    assert [k for k, _ in kinds] == ["explore", "accept"], decisions
+    assert "the replay's best confirmed, settled" in decisions[1].reason, decisions
+    assert same(lrn.incumbent()[0], good) and lrn.state() == "settled"
+
+
 def test_gp_gives_a_near_neighbour_no_better_live_at_most_three_pairs():
     """A near neighbour that live costs the same as the policy just
     confirmed (the drain, which this simulated program never feels) ends

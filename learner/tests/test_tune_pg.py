@@ -40,7 +40,12 @@ def test_help_and_bad_arguments():
 def test_postgres_tuned_then_measured_default_against_learned():
     need_root("runs PostgreSQL as the postgres account (and installs postgresql when missing)")
     before_dirs, _ = leftovers()
-    r = run("--seconds", 20, "--rounds", 1, "--run-seconds", 3, "--json")
+    # 30 s of tuning: learnd screens postgres after its first windows (a 2-s
+    # capture, then 17 replays); on a quiet machine that ended 15 s after
+    # learnd started (12 s of it the screening), 7 s before a 20-s load did,
+    # and in the fresh-clone CI run of e4aea3a, and once beside valgrind, it
+    # had not ended when the load stopped: no verdict to check.
+    r = run("--seconds", 30, "--rounds", 1, "--run-seconds", 3, "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     for which in ("default", "learned"):

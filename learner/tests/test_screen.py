@@ -692,6 +692,48 @@ def test_a_busy_programs_default_replay_runs_alone_first_and_bounds_the_rest(tmp
         assert f"the default first, the rest {want} at once" in s.describe(ranked_)
 
 
+def test_replays_start_a_stagger_apart_from_the_first_however_few_workers_run_them(tmp_path, monkeypatch):
+    """Replay i starts STAGGER_S * i after the first of its pool: the
+    staggers keep side-by-side replays' bursts apart, and must not add up
+    when a worker takes its next replay (13 replays on 4 workers, each
+    sleeping its own offset from when it came free: the 13th would start
+    3 s late, and a short-lived program's screening ends after it)."""
+    import threading
+    import time as _time
+    import types
+    import hakmem.replay as R
+    import hakmem.screen as S
+    ctx = make_ctx()
+    trace = _fake_trace(tmp_path, ctx, monkeypatch, 1.0)
+    stagger = 0.1
+    monkeypatch.setattr(S, "STAGGER_S", stagger)
+    monkeypatch.setattr(S, "_mem_available", lambda: 24 << 30)
+    pol = [("default", ctx.default)] + [(f"d{ms}", ctx.clamp(ctx.default.replace(drain_ms=ms)))
+                                        for ms in range(10, 130, 10)]
+    assert len(pol) == 13
+    monkeypatch.setattr(S, "policies", lambda ctx, hot: pol)
+    lock = threading.Lock()
+    started = {}
+
+    def fake_run(path, knobs, **kw):
+        with lock:
+            started[knobs["drain_ms"]] = _time.monotonic()
+        return {"runs": [{"counters": {"slow_ns": 1e6}, "minflt": 10, "os_calls": 1, "cpu_s": 0.01,
+                          "wall_s": 0.01, "mean_rss_bytes": 1 << 20}], "policy": {}}
+    monkeypatch.setattr(R, "run_replayer", fake_run)
+    from hakmem.objective import Objective, Prices
+    s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices(fault_s=1e-6, syscall_s=1e-6), jobs=4)
+    s.trace_fd, s.uid = os.open(trace, os.O_RDONLY), os.geteuid()
+    # Gated (an intermittent program): every replay goes to the pool, none first alone.
+    s.gate = types.SimpleNamespace(count_from=lambda now: None, ro=None, closings=0, closed_s=0.0)
+    t = _time.monotonic()
+    assert len(s._replay_all()) == 13 and s.jobs_run == 4
+    offsets = [started[k.drain_ms] - t for _, k in pol]
+    for i, off in enumerate(offsets):
+        assert off >= i * stagger - 0.02, (i, offsets)            # never early: the bursts stay apart
+        assert off <= i * stagger + 0.35, (i, offsets)            # never late by the staggers before it
+
+
 def test_screening_ranks_by_counted_faults_and_memory_not_by_replay_cpu_time(tmp_path, monkeypatch):
     """Side by side, a replay's CPU time is what the replays beside it did
     at the same moment: bench-learn's phases, 17 replays at once, spent 0.06

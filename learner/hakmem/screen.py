@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import os
@@ -240,14 +241,24 @@ class Gate:
     at 16-18 s still took 27 ms (1.17 against 1.07).
 
     So the replays run in the middle of the program's idle time. A thread
-    here reads the program's CPU time (/proc/PID/stat, all its threads)
-    every POLL_S; a burst starts when it moves and ends QUIET_S after it
-    last moved (a burst's own pauses are part of it). The gate file's byte
-    (`hakmem-replay --gate`) is set from a burst's start to its end and,
-    once two bursts gave a period, from MARGIN_S (at least a quarter of
-    the period) before the next one is due. A gate closed for MAX_CLOSED_S
-    opens as long again, so a program that turns busy, or bursts when none
-    was due, holds the replays at most half the time.
+    here reads the program's CPU time every POLL_S; a burst starts when
+    the program ran for BUSY_SHARE of the time since the last reading and
+    ends QUIET_S after it last did (a burst's own pauses are part of it).
+    The CPU time is the process's CPU clock, all its threads, to the
+    nanosecond (clock_gettime of its pid's clock id). /proc/PID/stat,
+    read before, counts whole ticks of 10 ms, and spikes' bursts take
+    6 ms of CPU once its memory is warm: watched so for 16 s (spikes
+    alone, no replays), the gate missed 4 of 8 bursts and took a stray
+    tick between two for a burst, the period it said was wrong, and it
+    stood open through 3 of the bursts. Watched by its CPU clock it saw
+    all 8 and was closed from half a second before each. (spikes' guard
+    missed at 16-18 s in three full runs, 1.98x the default's median at
+    3ba734a: a burst of 93 ms of CPU while its 17 replays ran.) The gate
+    file's byte (`hakmem-replay --gate`) is set from a burst's start to
+    its end and, once two bursts gave a period, from MARGIN_S (at least a
+    quarter of the period) before the next one is due. A gate closed for
+    MAX_CLOSED_S opens as long again, so a program that turns busy, or
+    bursts when none was due, holds the replays at most half the time.
 
     The gate is an anonymous file of learnd's (a memfd): the replays get a
     read-only descriptor of it (`hakmem-replay --gate-fd`), so a replay run
@@ -255,6 +266,7 @@ class Gate:
     is written with pwrite and never mapped here."""
 
     POLL_S = 0.005
+    BUSY_SHARE = 0.1      # a thread waking to sleep again uses far less; a tick of /proc/PID/stat far more
     QUIET_S = 0.25
     MARGIN_S = 0.5
     MAX_CLOSED_S = 1.0
@@ -281,6 +293,11 @@ class Gate:
         self.starts: list[float] = []   # the program's bursts' starts
         self._since = 0.0
         self._stop = threading.Event()
+        # The process CPU clock of a pid (the kernel's MAKE_PROCESS_CPUCLOCK:
+        # ~pid << 3 | CPUCLOCK_SCHED), as a signed 32-bit clockid_t.
+        self._clock = ctypes.c_int32((~self.pid << 3) | 2).value
+        self._last_ns = self._last_ticks = None
+        self._tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
         try:
             self._stat = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -298,6 +315,23 @@ class Gate:
             return int(f[11]) + int(f[12])
         except (OSError, IndexError, ValueError):
             return None
+
+    def _ran_s(self, ticks: int) -> float:
+        """Seconds of CPU the program used since the last call, all its
+        threads together, those that ended meanwhile too: its process CPU
+        clock (clock_gettime of the pid's clock id, to the nanosecond),
+        or where that cannot be read, its stat's ticks."""
+        ns = None
+        if self._clock is not None:
+            try:
+                ns = time.clock_gettime_ns(self._clock)
+            except OSError:
+                self._clock = None
+        if ns is not None:
+            last, self._last_ns = self._last_ns, ns
+            return 0.0 if last is None else max(0, ns - last) / 1e9
+        last, self._last_ticks = self._last_ticks, ticks
+        return 0.0 if last is None else max(0, ticks - last) * self._tick_s
 
     def period(self) -> float | None:
         """The median time between the program's last bursts, once two are seen."""
@@ -323,17 +357,21 @@ class Gate:
         return per is not None and now >= self.starts[-1] + per - max(self.MARGIN_S, per / 4)
 
     def _run(self):
-        last = self._cpu()
+        prev = self.clock.monotonic()
+        self._ran_s(self._cpu() or 0)
         last_busy, burst, open_until = float("-inf"), False, 0.0
         while not self._stop.wait(self.POLL_S):
             now = self.clock.monotonic()
-            cpu = self._cpu()
-            if cpu is None:            # the program is gone: nothing left to spare
+            ticks = self._cpu()
+            if ticks is None:          # the program is gone: nothing left to spare
                 break
-            if cpu != last:
+            # The stat read first: a pid that ended and was reused reads
+            # as gone here before its clock is another process's.
+            ran, dt, prev = self._ran_s(ticks), max(now - prev, self.POLL_S), now
+            if ran >= self.BUSY_SHARE * dt:
                 if not burst:
                     self.starts = (self.starts + [now])[-8:]
-                last, last_busy, burst = cpu, now, True
+                last_busy, burst = now, True
             elif burst and now - last_busy >= self.QUIET_S:
                 burst = False
             want = self.want_closed(now, burst) and now >= open_until

@@ -946,6 +946,60 @@ def test_the_gate_closes_through_each_burst_and_before_the_next_one_is_due():
     assert gate.period() == pytest.approx(1.2, abs=0.1)
 
 
+SHORT_BURSTS_CHILD = r"""
+import sys, threading, time
+t0, n, busy, period = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+def waker():                      # a thread that wakes to sleep again: not a burst
+    while True:
+        time.sleep(0.02)
+threading.Thread(target=waker, daemon=True).start()
+def burst(k):
+    time.sleep(max(0.0, t0 + k * period - time.monotonic()))
+    end = time.thread_time() + busy
+    while time.thread_time() < end:
+        pass
+for k in range(n):                # each burst on a thread of its own, as a pool's worker would
+    t = threading.Thread(target=burst, args=(k,))
+    t.start()
+    t.join()
+"""
+
+
+def test_the_gate_sees_every_burst_shorter_than_a_clock_tick_and_no_thread_waking_between():
+    """spikes' bursts once its memory is warm take 6 ms of CPU: read in
+    /proc/PID/stat's 10-ms ticks, about half of them moved the count, the
+    gate took a stray tick between two as a burst, the period it said was
+    wrong and it stood open through the program's next bursts. Bursts of
+    4 ms of CPU every 1.2 s, each on a new thread, beside a thread that
+    wakes every 20 ms: every burst is seen where it starts, nothing else
+    is, and from the third on the gate is closed from before each one is
+    due until after it."""
+    import subprocess
+    import sys
+    import time
+    from hakmem.screen import Gate
+    n, busy, period = 5, 0.004, 1.2
+    t0 = time.monotonic() + 0.4
+    child = subprocess.Popen([sys.executable, "-c", SHORT_BURSTS_CHILD, repr(t0), str(n), str(busy), str(period)])
+    gate = Gate(child.pid)
+    try:
+        rec = _gate_record(gate, t0, n * period - 0.3)
+    finally:
+        child.kill()
+        child.wait()
+        gate.close()
+    starts = [s - t0 for s in gate.starts if s - t0 > -0.2]     # not the interpreter's own start
+    want = [k * period for k in range(n)]
+    assert len(starts) == n, (starts, want)
+    for s, w in zip(starts, want):
+        assert w - 0.01 <= s <= w + 0.06, (starts, want)
+    assert gate.period() == pytest.approx(period, abs=0.02)
+    for k in range(2, n):
+        b = k * period
+        assert _share_closed(rec, b - 0.45, b + 0.2) >= 0.9, f"open around burst {k}: {rec}"
+        assert _share_closed(rec, b + 0.35, b + 0.6) <= 0.1, f"closed in the idle time after burst {k}: {rec}"
+
+
 def test_a_program_that_stays_busy_holds_the_replays_at_most_half_the_time():
     import time
     gate, rec = _watched(1, 4.0, 1, 3.5)

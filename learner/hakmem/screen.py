@@ -86,6 +86,20 @@ REPLAY_TIMEOUT_S = 120.0     # one replay; a trace of N seconds replays in about
 MIN_EVENTS = 256
 CAPTURES = 3
 STAGGER_S = 0.25            # replay k starts k times this late: side by side, their bursts would coincide
+# An intermittent program's replays at once: at most this many per CPU they
+# run on. bench-learn's spikes (a 64 MiB burst every 2 s), spikes-only runs
+# at acd2116 with its gate seeing every burst: with 17 replays at once on
+# one CPU, the program's first burst that faulted its memory in again
+# while they ran (its decay gives a burst's memory back from about 14 s
+# on) took 50-177 ms of CPU in 6 runs of 6, against 25-31 ms for the same
+# burst in the runs without learnd, a guard window of 1.45-3.0 times the
+# default's median; with 8 at once, 23-30 ms in 3 runs of 3, and the
+# screening ended 7 s later (29 s against 22). Why so many at once slow
+# the program was not found: not this machine's free page reporting (off,
+# the same), not the replays' own teardown or decay passes (held at the
+# gate, the same), not 17 replays of another trace beside it without
+# learnd (no slow burst).
+GATED_PER_CPU = 8
 REPLAY_NICE = 19            # replays take the CPUs the program leaves
 MEM_SHARE = 0.25             # replays at once hold at most this share of MemAvailable ...
 REPLAY_OVERHEAD = 32 << 20   # ... counting each as the traced process's RSS and this
@@ -699,7 +713,13 @@ class Screen:
             self.probed = True
         else:
             rest = pol
-        jobs = self.jobs_run = self.jobs_for(len(rest), first[2] if first else None)
+        gated_cpus = None
+        if gate is not None:
+            try:
+                gated_cpus = len(cpus) if cpus else len(os.sched_getaffinity(0))
+            except OSError:
+                gated_cpus = 1
+        jobs = self.jobs_run = self.jobs_for(len(rest), first[2] if first else None, gated_cpus)
         t0 = time.monotonic()
         # The gate is closed in _cleanup, with the rest of the screening's
         # state, on every way out.
@@ -712,15 +732,19 @@ class Screen:
                         for label, k, r in done]
         return sorted((rk for rk, _ in self.results), key=lambda r: r.cost)
 
-    def jobs_for(self, n: int, probe=None) -> int:
+    def jobs_for(self, n: int, probe=None, gated_cpus: int | None = None) -> int:
         """Replays at once: all n where memory and faults allow (a paced
         replay mostly sleeps, and run one after another they would take n
         times the trace), at most `jobs`; no more than MEM_SHARE of
         MemAvailable holds, each counted as the default's replay peaked
         (probe, a replay.Result) or else as the traced process's RSS and
         REPLAY_OVERHEAD; and together faulting pages for no more than
-        FAULT_SHARE of one CPU's time, each at the probe's rate."""
+        FAULT_SHARE of one CPU's time, each at the probe's rate. An
+        intermittent program's replays, which run on gated_cpus CPUs,
+        at most GATED_PER_CPU on each."""
         k = max(1, min(n, self.jobs))
+        if gated_cpus:
+            k = min(k, GATED_PER_CPU * gated_cpus)
         each = self.rss_bytes + REPLAY_OVERHEAD
         if probe is not None and probe.peak_rss_bytes > 0:
             each = probe.peak_rss_bytes

@@ -88,18 +88,19 @@ CAPTURES = 3
 STAGGER_S = 0.25            # replay k starts k times this late: side by side, their bursts would coincide
 # An intermittent program's replays at once: at most this many per CPU they
 # run on. bench-learn's spikes (a 64 MiB burst every 2 s), spikes-only runs
-# at acd2116 with its gate seeing every burst: with 17 replays at once on
-# one CPU, the program's first burst that faulted its memory in again
-# while they ran (its decay gives a burst's memory back from about 14 s
-# on) took 50-177 ms of CPU in 6 runs of 6, against 25-31 ms for the same
-# burst in the runs without learnd, a guard window of 1.45-3.0 times the
-# default's median; with 8 at once, 23-30 ms in 3 runs of 3, and the
-# screening ended 7 s later (29 s against 22). Why so many at once slow
-# the program was not found: not this machine's free page reporting (off,
-# the same), not the replays' own teardown or decay passes (held at the
-# gate, the same), not 17 replays of another trace beside it without
+# with its gate seeing every burst: with 17 replays at once on one CPU, the
+# program's first burst that faulted its memory in again while they ran
+# (its decay gives a burst's memory back from about 14 s on) took 50-177 ms
+# of CPU in 6 runs of 6, against 25-31 ms for the same burst without
+# learnd: a guard window of 1.45-3.0 times the default's median. With 8 at
+# once, 23-30 ms in 4 runs of 4 (a full run among them), the screening
+# ending 29 s in against 22; with 9, 26-30 ms in 2 runs of 2, ending 25-26 s
+# in: 17 policies in two rounds. Why so many at once slow the program was
+# not found: not this machine's free page reporting (off: the same), not
+# the replays' own teardown or decay passes (held at the gate: the same),
+# not 17 replays of another capture started beside it by hand without
 # learnd (no slow burst).
-GATED_PER_CPU = 8
+GATED_PER_CPU = 9
 REPLAY_NICE = 19            # replays take the CPUs the program leaves
 MEM_SHARE = 0.25             # replays at once hold at most this share of MemAvailable ...
 REPLAY_OVERHEAD = 32 << 20   # ... counting each as the traced process's RSS and this

@@ -33,6 +33,8 @@
   X(mmap_calls, "mmap calls") \
   X(munmap_calls, "munmap calls") \
   X(madvise_calls, "madvise calls") \
+  X(decay_syscalls, "of the three above, the calls the decay thread made (background.c): they run beside the program, whose threads wait on none of them") \
+  X(returned_bytes, "bytes the program's own threads gave back to the OS (madvise, munmap); the decay thread's are left out: the kernel's work per page falls on the thread that gives it back") \
   X(committed_bytes, "gauge: bytes mapped for slabs and huge objects, not returned") \
   X(threads, "gauge: threads with a live thread cache") \
   X(threads_total, "threads that ever had a thread cache") \

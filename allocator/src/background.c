@@ -54,6 +54,7 @@ static int start_err;
 
 static void* bg_main(void* arg) {
   (void)arg;
+  _hk_os_mark_decay_thread();
   for (;;) {
     uint32_t ms = _hk_drain_ms();
     _hk_os_sleep_ms((ms == 0 || ms > BG_TICK_MS ? BG_TICK_MS : ms) + BG_SLACK_MS);

@@ -27,14 +27,58 @@
  * slow paths leave it out of slow_ns (slab.c), or it would count twice. */
 __thread uint64_t _hk_kernel_ticks __attribute__((tls_model("initial-exec")));
 
+/* Set on the decay thread (background.c). Its memory calls run beside the
+ * program, whose threads wait on none of them, so learnd prices them apart:
+ * they are counted in decay_syscalls, and the bytes they give back are left
+ * out of returned_bytes, which prices the kernel's work per page given back
+ * by the program's own threads (warm=0 madvises a burst's slabs one by one
+ * as they empty, on the thread that frees; drain=100 gives the same pages
+ * back from this thread a moment later). */
+static __thread bool decay_thread __attribute__((tls_model("initial-exec")));
+
+void _hk_os_mark_decay_thread(void) { decay_thread = true; }
+
+static inline void count_call(_Atomic uint64_t* calls) {
+  hk_add_relaxed(calls, 1);
+  if (decay_thread) hk_add_relaxed(&_hk_proc.decay_syscalls, 1);
+}
+
+static inline void count_returned(size_t len) {
+  if (!decay_thread) hk_add_relaxed(&_hk_proc.returned_bytes, len);
+}
+
 #define KERNEL_TIMED(call) ({                                  \
     uint64_t k0_ = _hk_os_ticks();                             \
     __typeof__(call) r_ = (call);                              \
-    _hk_kernel_ticks += _hk_os_ticks() - k0_;                  \
+    _hk_kernel_ticks += _hk_os_ticks_since(k0_);               \
     r_; })
 
+/* The replayer's slow-path clock (prim.h _hk_os_ticks). */
+bool _hk_ticks_cpu;
+static uint64_t cpu_read_ns;                      /* one read's own cost */
+static __thread uint64_t cpu_reads __attribute__((tls_model("initial-exec")));
+
+static uint64_t thread_cpu_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t _hk_os_cpu_ticks(void) { return thread_cpu_ns() - cpu_reads++ * cpu_read_ns; }
+
+void _hk_os_ticks_on_cpu(void) {
+  uint64_t best = ~0ull;
+  for (int round = 0; round < 5; round++) {   /* the least of five: a preemption adds nothing */
+    uint64_t a = thread_cpu_ns(), b = a;
+    for (int i = 0; i < 64; i++) b = thread_cpu_ns();
+    if ((b - a) / 64 < best) best = (b - a) / 64;
+  }
+  cpu_read_ns = best;
+  _hk_ticks_cpu = true;
+}
+
 static int map_raw(size_t len, bool reserve, void** out) {
-  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  count_call(&_hk_proc.mmap_calls);
   void* p = KERNEL_TIMED(mmap(NULL, len, PROT_READ | PROT_WRITE,
                               MAP_PRIVATE | MAP_ANONYMOUS | (reserve ? MAP_NORESERVE : 0), -1, 0));
   if (p == MAP_FAILED) { *out = NULL; return errno ? errno : ENOMEM; }
@@ -44,7 +88,8 @@ static int map_raw(size_t len, bool reserve, void** out) {
 
 int _hk_os_unmap(void* p, size_t len) {
   if (len == 0) return 0;
-  hk_add_relaxed(&_hk_proc.munmap_calls, 1);
+  count_call(&_hk_proc.munmap_calls);
+  count_returned(len);
   return KERNEL_TIMED(munmap(p, len)) == 0 ? 0 : errno;
 }
 
@@ -55,7 +100,7 @@ int _hk_os_unmap(void* p, size_t len) {
 /* len bytes at exactly `at`, never replacing a mapping there; ENOMEM when
  * the kernel put them elsewhere (a kernel without MAP_FIXED_NOREPLACE). */
 static int map_at(void* at, size_t len, bool reserve, void** out) {
-  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  count_call(&_hk_proc.mmap_calls);
   void* p = KERNEL_TIMED(mmap(at, len, PROT_READ | PROT_WRITE,
                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE | (reserve ? MAP_NORESERVE : 0),
                               -1, 0));
@@ -107,7 +152,7 @@ int _hk_os_map_aligned(size_t len, size_t align, bool reserve, void** out) {
 }
 
 int _hk_os_map_file(int fd, size_t len, void** out) {
-  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  count_call(&_hk_proc.mmap_calls);
   void* p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) { *out = NULL; return errno ? errno : ENOMEM; }
   *out = p;
@@ -118,24 +163,25 @@ int _hk_os_unmap_file(void* p, size_t len) { return _hk_os_unmap(p, len); }
 
 int _hk_os_decommit(void* p, size_t len) {
   if (len == 0) return 0;
-  hk_add_relaxed(&_hk_proc.madvise_calls, 1);
+  count_call(&_hk_proc.madvise_calls);
+  count_returned(len);
   return KERNEL_TIMED(madvise(p, len, MADV_DONTNEED)) == 0 ? 0 : errno;
 }
 
 int _hk_os_grow_in_place(void* p, size_t old_len, size_t new_len) {
-  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  count_call(&_hk_proc.mmap_calls);
   void* q = KERNEL_TIMED(mremap(p, old_len, new_len, 0));
   return q == MAP_FAILED ? errno : 0;
 }
 
 int _hk_os_move(void* p, size_t len, void* dst) {
-  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  count_call(&_hk_proc.mmap_calls);
   void* q = KERNEL_TIMED(mremap(p, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst));
   return q == MAP_FAILED ? errno : 0;
 }
 
 bool _hk_os_refill(void* p, size_t len) {
-  hk_add_relaxed(&_hk_proc.mmap_calls, 1);
+  count_call(&_hk_proc.mmap_calls);
   void* q = KERNEL_TIMED(mmap(p, len, PROT_READ | PROT_WRITE,
                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0));
   if (q == p) return true;                        /* the hole, filled */

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #define HK_SHM_MAGIC          0x3130474e49524b48ull  /* "HKRING01" little-endian */
-#define HK_SHM_LAYOUT_VERSION 5u
+#define HK_SHM_LAYOUT_VERSION 6u
 #define HK_SHM_NUM_CLASSES    61u
 #define HK_SHM_RING_SLOTS     16u
 #define HK_SHM_HEADER_SIZE    4096u
@@ -19,27 +19,31 @@ typedef struct {
   uint64_t mmap_calls;  /* @0: mmap calls */
   uint64_t munmap_calls;  /* @8: munmap calls */
   uint64_t madvise_calls;  /* @16: madvise calls */
-  uint64_t committed_bytes;  /* @24: gauge: bytes mapped for slabs and huge objects, not returned */
-  uint64_t threads;  /* @32: gauge: threads with a live thread cache */
-  uint64_t threads_total;  /* @40: threads that ever had a thread cache */
-  uint64_t huge_allocs;  /* @48: allocations above the largest class (own mapping) */
-  uint64_t huge_cache_hits;  /* @56: huge allocations served from the huge cache */
-  uint64_t policy_version;  /* @64: gauge: version of the policy in force */
-  uint64_t policies_rejected;  /* @72: policies rejected by validation */
-  uint64_t tel_failures;  /* @80: telemetry files that could not be made: untrusted directory, name taken by another user, no space; no lease is not a failure */
+  uint64_t decay_syscalls;  /* @24: of the three above, the calls the decay thread made (background.c): they run beside the program, whose threads wait on none of them */
+  uint64_t returned_bytes;  /* @32: bytes the program's own threads gave back to the OS (madvise, munmap); the decay thread's are left out: the kernel's work per page falls on the thread that gives it back */
+  uint64_t committed_bytes;  /* @40: gauge: bytes mapped for slabs and huge objects, not returned */
+  uint64_t threads;  /* @48: gauge: threads with a live thread cache */
+  uint64_t threads_total;  /* @56: threads that ever had a thread cache */
+  uint64_t huge_allocs;  /* @64: allocations above the largest class (own mapping) */
+  uint64_t huge_cache_hits;  /* @72: huge allocations served from the huge cache */
+  uint64_t policy_version;  /* @80: gauge: version of the policy in force */
+  uint64_t policies_rejected;  /* @88: policies rejected by validation */
+  uint64_t tel_failures;  /* @96: telemetry files that could not be made: untrusted directory, name taken by another user, no space; no lease is not a failure */
 } hk_shm_proc_t;
-_Static_assert(sizeof(hk_shm_proc_t) == 88, "proc_counters size");
+_Static_assert(sizeof(hk_shm_proc_t) == 104, "proc_counters size");
 _Static_assert(offsetof(hk_shm_proc_t, mmap_calls) == 0, "proc_counters.mmap_calls");
 _Static_assert(offsetof(hk_shm_proc_t, munmap_calls) == 8, "proc_counters.munmap_calls");
 _Static_assert(offsetof(hk_shm_proc_t, madvise_calls) == 16, "proc_counters.madvise_calls");
-_Static_assert(offsetof(hk_shm_proc_t, committed_bytes) == 24, "proc_counters.committed_bytes");
-_Static_assert(offsetof(hk_shm_proc_t, threads) == 32, "proc_counters.threads");
-_Static_assert(offsetof(hk_shm_proc_t, threads_total) == 40, "proc_counters.threads_total");
-_Static_assert(offsetof(hk_shm_proc_t, huge_allocs) == 48, "proc_counters.huge_allocs");
-_Static_assert(offsetof(hk_shm_proc_t, huge_cache_hits) == 56, "proc_counters.huge_cache_hits");
-_Static_assert(offsetof(hk_shm_proc_t, policy_version) == 64, "proc_counters.policy_version");
-_Static_assert(offsetof(hk_shm_proc_t, policies_rejected) == 72, "proc_counters.policies_rejected");
-_Static_assert(offsetof(hk_shm_proc_t, tel_failures) == 80, "proc_counters.tel_failures");
+_Static_assert(offsetof(hk_shm_proc_t, decay_syscalls) == 24, "proc_counters.decay_syscalls");
+_Static_assert(offsetof(hk_shm_proc_t, returned_bytes) == 32, "proc_counters.returned_bytes");
+_Static_assert(offsetof(hk_shm_proc_t, committed_bytes) == 40, "proc_counters.committed_bytes");
+_Static_assert(offsetof(hk_shm_proc_t, threads) == 48, "proc_counters.threads");
+_Static_assert(offsetof(hk_shm_proc_t, threads_total) == 56, "proc_counters.threads_total");
+_Static_assert(offsetof(hk_shm_proc_t, huge_allocs) == 64, "proc_counters.huge_allocs");
+_Static_assert(offsetof(hk_shm_proc_t, huge_cache_hits) == 72, "proc_counters.huge_cache_hits");
+_Static_assert(offsetof(hk_shm_proc_t, policy_version) == 80, "proc_counters.policy_version");
+_Static_assert(offsetof(hk_shm_proc_t, policies_rejected) == 88, "proc_counters.policies_rejected");
+_Static_assert(offsetof(hk_shm_proc_t, tel_failures) == 96, "proc_counters.tel_failures");
 
 typedef struct {
   uint64_t allocs;  /* @0: blocks handed out */
@@ -88,14 +92,14 @@ typedef struct {
   uint64_t index;  /* @8: record number (ring_head when it was written) */
   uint64_t time_ns;  /* @16: CLOCK_MONOTONIC at the record, ns */
   hk_shm_proc_t proc;  /* @24: process counters */
-  hk_shm_class_t cls[61];  /* @112: per-class counters */
+  hk_shm_class_t cls[61];  /* @128: per-class counters */
 } hk_shm_record_t;
-_Static_assert(sizeof(hk_shm_record_t) == 9384, "record size");
+_Static_assert(sizeof(hk_shm_record_t) == 9400, "record size");
 _Static_assert(offsetof(hk_shm_record_t, seq) == 0, "record.seq");
 _Static_assert(offsetof(hk_shm_record_t, index) == 8, "record.index");
 _Static_assert(offsetof(hk_shm_record_t, time_ns) == 16, "record.time_ns");
 _Static_assert(offsetof(hk_shm_record_t, proc) == 24, "record.proc");
-_Static_assert(offsetof(hk_shm_record_t, cls) == 112, "record.cls");
+_Static_assert(offsetof(hk_shm_record_t, cls) == 128, "record.cls");
 
 typedef struct {
   uint64_t version;  /* @0: snapshot version this slot carries */
@@ -218,6 +222,8 @@ _Static_assert(offsetof(hk_shm_header_t, _reserved) == 1208, "header._reserved")
   X(hk_shm_proc_t, mmap_calls) \
   X(hk_shm_proc_t, munmap_calls) \
   X(hk_shm_proc_t, madvise_calls) \
+  X(hk_shm_proc_t, decay_syscalls) \
+  X(hk_shm_proc_t, returned_bytes) \
   X(hk_shm_proc_t, committed_bytes) \
   X(hk_shm_proc_t, threads) \
   X(hk_shm_proc_t, threads_total) \

@@ -256,7 +256,7 @@ static bool take_from(hk_slab_t* s, unsigned cls, uint32_t n, uint32_t most, voi
     hk_add_relaxed(&_hk_central[cls].c.fresh_pages, 1);
     uint64_t f0 = _hk_os_ticks();
     *(void* volatile*)b = NULL;
-    _hk_kernel_ticks += _hk_os_ticks() - f0;
+    _hk_kernel_ticks += _hk_os_ticks_since(f0);
   }
   for (uint32_t i = 0; i + 1 < m; i++) *(void**)(b + (size_t)i * size) = b + (size_t)(i + 1) * size;
   *(void**)(b + (size_t)(m - 1) * size) = *head;
@@ -647,6 +647,13 @@ static HK_NOINLINE uint32_t take_after_trim(hk_tcache_t* tc, hk_central_t* c, un
   return take_any(tc, c, cls, n, most, head);
 }
 
+/* A slow path's ticks since t0, less its time in the kernel since k0
+ * (prim.c: priced apart); none when the replayer's clock makes it negative. */
+static inline uint64_t slow_since(uint64_t t0, uint64_t k0) {
+  uint64_t d = _hk_os_ticks() - t0 - (_hk_kernel_ticks - k0);
+  return (int64_t)d > 0 ? d : 0;
+}
+
 void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   hk_bin_t* bin = &tc->bin[cls];
   hk_central_t* c = &_hk_central[cls];
@@ -667,7 +674,7 @@ void* _hk_refill(hk_tcache_t* tc, unsigned cls) {
   hk_add_relaxed(&c->c.refills, 1);
   hk_add_relaxed(&c->c.refill_blocks, got);
   /* ticks, stats.c converts; the kernel's time is priced apart (prim.c) */
-  hk_add_relaxed(&c->c.slow_ns, _hk_os_ticks() - t0 - (_hk_kernel_ticks - k0));
+  hk_add_relaxed(&c->c.slow_ns, slow_since(t0, k0));
   if (HK_UNLIKELY(got == 0)) return NULL;
   void* p = head;
   bin->head = *(void**)p;
@@ -700,7 +707,7 @@ void _hk_drain(hk_tcache_t* tc, unsigned cls, uint32_t n) {
   hk_add_relaxed(&c->c.drains, 1);
   hk_add_relaxed(&c->c.drain_blocks, n);
   if (r.remote) hk_add_relaxed(&c->c.remote_frees, r.remote);
-  hk_add_relaxed(&c->c.slow_ns, _hk_os_ticks() - t0 - (_hk_kernel_ticks - k0));   /* as in _hk_refill */
+  hk_add_relaxed(&c->c.slow_ns, slow_since(t0, k0));   /* as in _hk_refill */
 }
 
 void _hk_stash_flush(hk_tcache_t* tc, unsigned cls) {

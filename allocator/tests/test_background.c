@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -55,16 +56,27 @@ static void peak_then_free(void) {
 }
 
 /* Child: the peak, then idle for 6 drain intervals (HAKMEM_DRAIN_MS=100):
- * prints what is committed just after the frees and after the idle time. */
+ * prints what is committed just after the frees and after the idle time;
+ * then what the two threads' memory calls counted (learnd prices the pages
+ * the program's threads give back and leaves the decay thread's calls out):
+ * while idle, and for a malloc_trim by this thread after it. */
 static int child_idle(void) {
   uint64_t base = committed();
   peak_then_free();
-  uint64_t after_free = committed() - base;
+  hk_stats_t a, b, c;
+  hk_stats_get(&a);
+  uint64_t after_free = a.committed_bytes - base;
   sleep_ms(600);
-  uint64_t now = committed();
-  uint64_t after_idle = now > base ? now - base : 0;   /* a forked child's base holds its parent's pages */
+  hk_stats_get(&b);
+  uint64_t after_idle = b.committed_bytes > base ? b.committed_bytes - base : 0;   /* a forked child's base holds its parent's pages */
+  malloc_trim(0);
+  hk_stats_get(&c);
   harness_say("after free %llu KiB after idle %llu KiB\n", (unsigned long long)after_free >> 10,
               (unsigned long long)after_idle >> 10);
+  harness_say("decay calls while idle %llu returned while idle %llu KiB trim returned %llu KiB decay calls in all %llu\n",
+              (unsigned long long)(b.decay_syscalls - a.decay_syscalls),
+              (unsigned long long)(b.returned_bytes - a.returned_bytes) >> 10,
+              (unsigned long long)(c.returned_bytes - b.returned_bytes) >> 10, (unsigned long long)c.decay_syscalls);
   return 0;
 }
 
@@ -300,12 +312,24 @@ TEST(an_idle_process_gives_its_freed_pages_back) {
   CHECK(freed >= 32 * 1024);          /* the dirty pages were kept at first */
   CHECK(idle <= 8 * 1024);            /* and went back while the program slept (the pins: 64 KiB) */
   CHECK(strstr(out, "background: idle memory goes back every drain interval") != NULL);
+  /* The decay thread gave it back: its calls are counted as its own, and
+   * none of the bytes as the program's (whose thread slept). */
+  unsigned long long dcalls = kib_after(out, "decay calls while idle "), ret = kib_after(out, "returned while idle ");
+  harness_say("  the decay thread's calls while idle %llu, bytes the program's threads gave back %llu KiB\n", dcalls, ret);
+  CHECK(dcalls >= 1 && dcalls != ~0ull);
+  CHECK_EQ(ret, 0);
 
   CHECK_EQ(rerun("idle", "HAKMEM_BACKGROUND=0", out, sizeof out), 0);
   idle = kib_after(out, "after idle ");
   harness_say("  HAKMEM_BACKGROUND=0: %llu KiB after 6 idle intervals\n", idle);
   CHECK(idle >= 32 * 1024);           /* without the thread nothing runs the decay pass */
   CHECK(strstr(out, "background: off: HAKMEM_BACKGROUND=0") != NULL);
+  /* This thread's malloc_trim gave the kept pages back: the program's bytes,
+   * and no decay thread made a call. */
+  unsigned long long trim = kib_after(out, "trim returned "), all = kib_after(out, "decay calls in all ");
+  harness_say("  HAKMEM_BACKGROUND=0: malloc_trim gave back %llu KiB, decay calls %llu\n", trim, all);
+  CHECK(trim >= 32 * 1024 && trim != ~0ull);
+  CHECK_EQ(all, 0);
 }
 
 /* Before: the 64 MiB stayed committed while the thread that made it

@@ -1462,6 +1462,7 @@ def main(argv=None):
                 f"learner {cfg.learner}, objective {cfg.objective.describe()}"
                 f"{'' if cfg.objective_explicit else ' (or the cgroup memory limit)'}, "
                 f"fault {d.prices.fault_s * 1e6:.2f} us, syscall {d.prices.syscall_s * 1e6:.2f} us, "
+                f"page given back {d.prices.zap_s * 1e9:.0f} ns, "
                 f"{d.nofile} descriptors (up to {d.max_tracked} processes tracked)"
                 f"{f', metrics {d.metrics.url}' if d.metrics is not None else ''}"
                 + (f", fleet {redact(cfg.fleet)}" if d.fleet is not None else ""))

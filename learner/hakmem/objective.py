@@ -111,13 +111,22 @@ def default_objective(pid: int, fallback: Objective, budget_share: float = 0.8) 
 class Prices:
     fault_s: float = 0.7e-6      # one minor fault on fresh anonymous memory, zeroing included
     syscall_s: float = 2.0e-6    # one mmap/munmap/madvise
+    # One resident page given back (madvise, munmap) by the program's own
+    # thread, beyond the call's own price: freeing it and flushing its
+    # mapping. A 64 MiB burst given back as its slabs empty (warm=0) is
+    # 16,384 of them on the thread that frees; priced by the call alone,
+    # that cost nothing more than giving the same pages back from the decay
+    # thread (drain=100), and the replay ranked the two alike where the
+    # program ran 18% dearer under the first (bench-learn spikes' grid).
+    zap_s: float = 0.1e-6
 
     @classmethod
     def calibrate(cls, mib: int = 16) -> "Prices":
-        """Measures both on this machine (about 20 ms): touches fresh pages,
-        then gives them back with madvise page by page."""
+        """Measures the three on this machine (about 30 ms): touches fresh
+        pages, gives some back with madvise page by page, then the rest in
+        one call."""
         n = (mib << 20) // PAGE
-        best_f = best_s = float("inf")
+        best_f = best_s = best_z = float("inf")
         for _ in range(3):
             m = mmap.mmap(-1, n * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             try:
@@ -129,17 +138,24 @@ class Prices:
                 for i in range(k):
                     m.madvise(mmap.MADV_DONTNEED, i * PAGE, PAGE)
                 t2 = time.perf_counter()
+                m.madvise(mmap.MADV_DONTNEED, k * PAGE, (n - k) * PAGE)
+                t3 = time.perf_counter()
             finally:
                 m.close()
             best_f = min(best_f, (t1 - t0) / n)
             best_s = min(best_s, (t2 - t1) / k)
+            best_z = min(best_z, (t3 - t2) / max(1, n - k))
         # The Python loop's own cost per page (~50 ns) stays in: a small overestimate.
-        return cls(fault_s=best_f, syscall_s=best_s)
+        return cls(fault_s=best_f, syscall_s=best_s, zap_s=best_z)
 
 
-def time_cost(slow_ns_per_s: float, minflt_per_s: float, os_calls_per_s: float, prices: Prices) -> float:
-    """Allocator overhead in core-seconds per second."""
-    return slow_ns_per_s * 1e-9 + minflt_per_s * prices.fault_s + os_calls_per_s * prices.syscall_s
+def time_cost(slow_ns_per_s: float, minflt_per_s: float, os_calls_per_s: float, prices: Prices,
+              returned_pages_per_s: float = 0.0) -> float:
+    """Allocator overhead in core-seconds per second: os_calls are the
+    program's threads' (the decay thread's left out: the program waits on
+    none of them), returned_pages the pages those threads gave back."""
+    return (slow_ns_per_s * 1e-9 + minflt_per_s * prices.fault_s + os_calls_per_s * prices.syscall_s
+            + returned_pages_per_s * prices.zap_s)
 
 
 def window_time_cost(w, prices: Prices) -> float:
@@ -150,11 +166,12 @@ def window_time_cost(w, prices: Prices) -> float:
     measured inside mmap/munmap/madvise/mremap/brk, calls made by anything
     in the process included); otherwise it is the /proc estimate:
     minflt from /proc/<pid>/stat and the allocator's own OS calls at the
-    calibrated prices."""
+    calibrated prices, less the decay thread's calls, plus the pages the
+    program's threads gave back."""
     slow = float(w.slow_ns.sum())
     if getattr(w, "kernel_source", "proc") == "bpf":
         # Faults: their measured time where the kernel has kprobes (k_fault_ns),
         # else the count at the calibrated price.
         faults = w.k_fault_ns * 1e-9 if w.k_fault_ns > 0 else w.k_faults * prices.fault_s
         return slow * 1e-9 + faults + w.k_os_ns * 1e-9
-    return time_cost(slow, w.minflt, w.os_calls, prices)
+    return time_cost(slow, w.minflt, max(0.0, w.os_calls - w.decay_syscalls), prices, w.returned_bytes / PAGE)

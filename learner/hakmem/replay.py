@@ -44,6 +44,7 @@ from . import knobs as K
 from . import layout as L
 from .knobs import default_batch
 from .objective import Objective, Prices
+from .procfs import PAGE
 
 REPLAYER_ENV = "HAKMEM_REPLAY"
 BUILD_HINT = "build it with `make` in the hakmem checkout (it makes build/hakmem-replay), or set HAKMEM_REPLAY=PATH"
@@ -296,14 +297,20 @@ def run_cost(run: dict, facts: TraceFacts, objective: Objective, prices: Prices)
     replays at once: 0.06 to 0.47 s of it for the same 30-60 thousand
     faults), which ranked a policy the program cannot tell from the default
     45% cheaper; the counts are the policy's own. slow_ns holds none of the
-    kernel's time (the allocator subtracts its faults and memory calls)."""
+    kernel's time (the allocator subtracts its faults and memory calls). The
+    decay thread's calls are left out and the pages the replaying threads
+    gave back are priced (objective.time_cost); a replayer before layout 6
+    reports neither, and its runs are priced by their calls alone."""
     from .objective import time_cost
     D = facts.duration_s
     counters = run.get("counters") or {}
     os_calls = _total(run.get("os_calls")) if not isinstance(run.get("os_calls"), dict) else \
         sum(_total(v) for v in run["os_calls"].values())
+    os_calls = max(0.0, os_calls - _total(counters.get("decay_syscalls", 0)))
+    pages = _total(counters.get("returned_bytes", 0)) / PAGE
     if "slow_ns" in counters:
-        t = time_cost(_total(counters["slow_ns"]) / D, float(run.get("minflt", 0)) / D, os_calls / D, prices)
+        t = time_cost(_total(counters["slow_ns"]) / D, float(run.get("minflt", 0)) / D, os_calls / D, prices,
+                      pages / D)
     else:
         t = float(run.get("cpu_s", run.get("wall_s", 0.0))) / D
     # Resident memory as a live window prices it: its mean (a replayer before
@@ -403,19 +410,20 @@ def search_prices(store, facts: TraceFacts, objective: Objective) -> Prices | No
         if not isinstance(p, dict):
             return None
         f, s = float(p["fault_s"]), float(p["syscall_s"])
+        z = float(p.get("zap_s", Prices.zap_s))      # stored before pages given back were priced: the default
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
     # A stored figure is not trusted blindly: a price outside what any
     # machine measures is no price to search at.
-    if not (1e-9 <= f <= 1e-3 and 1e-9 <= s <= 1e-3):
+    if not (1e-9 <= f <= 1e-3 and 1e-9 <= s <= 1e-3 and 1e-11 <= z <= 1e-4):
         return None
-    return Prices(fault_s=f, syscall_s=s)
+    return Prices(fault_s=f, syscall_s=s, zap_s=z)
 
 
 def save(store, facts: TraceFacts, objective: Objective, r: Result, program_id=None, prices=None) -> None:
     raw = dict(r.raw, _run_costs=r.run_costs)
     if prices is not None:
-        raw["_prices"] = {"fault_s": prices.fault_s, "syscall_s": prices.syscall_s}
+        raw["_prices"] = {"fault_s": prices.fault_s, "syscall_s": prices.syscall_s, "zap_s": prices.zap_s}
     with store.tx() as db:
         db.execute(
             "INSERT OR REPLACE INTO replay_runs (trace_hash, trace_path, exe, build_id, program_id, knobs, knobs_hash, "

@@ -2,6 +2,8 @@
 sends is one the allocator accepts (hk_policy_set and the snapshot check
 reject a policy whole when any value is out of bounds: batch above the
 capacity included)."""
+import pytest
+
 from hakmem import layout as L
 from hakmem.learning import Context, canonical
 from hakmem.objective import Objective
@@ -119,3 +121,42 @@ def test_window_takes_counters_by_keyword_and_refuses_unknown_ones():
     import pytest
     with pytest.raises(TypeError, match="unknown counter"):
         Window(0, 1, None, 1, alloc=np.ones(C))
+
+
+def test_the_program_pays_for_the_pages_its_threads_give_back_and_not_for_the_decay_threads_calls():
+    """A 64 MiB burst given back as its slabs empty (warm=0: ~3,500 madvise
+    calls on the thread that frees) against the same pages given back by
+    the decay thread a moment later (drain=100: ~400 calls, all but a few
+    its own): bench-learn's spikes ran 18% dearer under the first, and a cost
+    that priced calls alone ranked the two alike. Live windows (from /proc)
+    and replays are priced the same way."""
+    from hakmem.objective import Prices, window_time_cost
+    from hakmem.procfs import PAGE
+    from hakmem.replay import TraceFacts, run_cost
+    prices = Prices(fault_s=1e-6, syscall_s=2e-6, zap_s=1e-7)
+    burst = 64 << 20
+    inline = Window(0, 1, madvise_calls=3500, returned_bytes=burst, minflt=16384)
+    decay = Window(0, 1, madvise_calls=400, decay_syscalls=390, minflt=16384)
+    assert window_time_cost(inline, prices) == pytest.approx(16384 * 1e-6 + 3500 * 2e-6 + burst / PAGE * 1e-7)
+    assert window_time_cost(decay, prices) == pytest.approx(16384 * 1e-6 + 10 * 2e-6)
+    facts = TraceFacts(path="t", hash="h", exe="e", build_id="", uid=0, class_size=[], duration_s=2.0,
+                       allocs=np.zeros(L.NUM_CLASSES), events=1, mode="full")
+    obj = Objective(lam=0.0)
+
+    def run(calls, decay_calls, returned):
+        return {"os_calls": {"mmap": 0, "munmap": 0, "madvise": calls}, "minflt": 16384, "mean_rss_bytes": 0,
+                "counters": {"slow_ns": [0, 1000], "decay_syscalls": decay_calls, "returned_bytes": returned}}
+    t_inline = run_cost(run(3500, 0, burst), facts, obj, prices)[0]
+    t_decay = run_cost(run(400, 390, 0), facts, obj, prices)[0]
+    assert t_inline == pytest.approx((1000e-9 + 16384 * 1e-6 + 3500 * 2e-6 + burst / PAGE * 1e-7) / 2)
+    assert t_decay == pytest.approx((1000e-9 + 16384 * 1e-6 + 10 * 2e-6) / 2)
+    # A replayer before layout 6 reports neither counter: its calls alone.
+    old = run(3500, 0, 0)
+    del old["counters"]["decay_syscalls"], old["counters"]["returned_bytes"]
+    assert run_cost(old, facts, obj, prices)[0] == pytest.approx((1000e-9 + 16384 * 1e-6 + 3500 * 2e-6) / 2)
+
+
+def test_a_page_given_back_in_a_large_call_is_priced_below_a_call_of_its_own():
+    from hakmem.objective import Prices
+    p = Prices.calibrate()
+    assert 0 < p.zap_s < p.syscall_s, p

@@ -198,11 +198,12 @@ def _say_promoted(p):
 
 
 def _prices_json(prices: Prices) -> dict:
-    return {"fault_s": prices.fault_s, "syscall_s": prices.syscall_s}
+    return {"fault_s": prices.fault_s, "syscall_s": prices.syscall_s, "zap_s": prices.zap_s}
 
 
 def _prices_text(prices: Prices, where="measured here") -> str:
-    return f"a fault {prices.fault_s * 1e6:.2f} us, an OS call {prices.syscall_s * 1e6:.2f} us ({where})"
+    return (f"a fault {prices.fault_s * 1e6:.2f} us, an OS call {prices.syscall_s * 1e6:.2f} us, "
+            f"a page given back {prices.zap_s * 1e9:.0f} ns ({where})")
 
 
 def _sweep(args, facts, st, objective, replayer, prices):

@@ -184,6 +184,7 @@ class Ctx:
     def _sample(self) -> None:
         nxt = time.monotonic()
         seen: dict[int, int] = {}
+        missing: set[int] = set()      # seen once without the library: looked at again
         lib = os.path.realpath(self.env["LD_PRELOAD"]) if "LD_PRELOAD" in self.env else None
         while not self.stop_sampling.is_set():
             with self.lock:
@@ -193,17 +194,30 @@ class Ctx:
                 # ld.so skips a preload it cannot open with a warning nobody
                 # reads, and the run would measure glibc under hakmem's name.
                 # A root seen twice has exec'd (the first look can fall
-                # between fork and exec).
+                # between fork and exec). One without the library is looked
+                # at once more, a sample later: a fresh-clone CI run of
+                # 71f47fd counted one redis-server "without" it, which every
+                # other run of that test had preloaded (a look racing the
+                # process's own exit, most likely); a preload ld.so skipped
+                # is still missing a sample later.
                 seen[r] = seen.get(r, 0) + 1
-                if lib and seen[r] == 2:
+                if lib and seen[r] in (2, 3) and (seen[r] == 2 or r in missing):
                     try:
                         with open(f"/proc/{r}/maps") as f:
                             maps = f.read()
                     except OSError:
                         maps = ""
-                    if maps:            # empty: a zombie, not reaped yet (nothing to tell)
+                    if not maps:        # a zombie, not reaped yet, or gone (nothing to tell)
+                        missing.discard(r)
+                    elif lib in maps:
                         self.preload_checked += 1
-                        self.not_preloaded += lib not in maps
+                        missing.discard(r)
+                    elif seen[r] == 2:
+                        missing.add(r)
+                    else:
+                        self.preload_checked += 1
+                        self.not_preloaded += 1
+                        missing.discard(r)
             self.samples.append((round(time.monotonic() - self.t0, 2), kib))
             nxt += SAMPLE_S
             self.stop_sampling.wait(max(0.0, nxt - time.monotonic()))

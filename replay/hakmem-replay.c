@@ -61,7 +61,7 @@
 
 #include "hakmem.h"
 #include "internal.h"   /* _hk_background_start_now: below, "the background thread" */
-#include "prim.h"       /* _hk_os_ticks_on_cpu: run_once */
+#include "prim.h"       /* _hk_os_bound_slow_paths: run_once */
 #include "shm_layout.h"
 #include "trace.pb-c.h"
 
@@ -740,9 +740,9 @@ static void stats_flat(const hk_stats_t* s, uint64_t* proc, uint64_t* cls) {
 }
 
 static int run_once(int out_fd) {
-  /* Slow paths timed on this thread's CPU clock, not the wall's: learnd runs
-   * replays side by side on one CPU (prim.h _hk_os_ticks). */
-  _hk_os_ticks_on_cpu();
+  /* A slow path counts at most a bound that a turn lost to another process
+   * passes: learnd runs replays side by side on one CPU (prim.h). */
+  _hk_os_bound_slow_paths();
   /* Loading decodes the whole trace and touches its arrays: as much work
    * as a burst of the replay's, so it waits for the gate too. */
   if (gate_path || gate_fd >= 0) open_gate();

@@ -83,30 +83,28 @@ uint32_t _hk_os_tid(void);
 void _hk_os_write(int fd, const char* buf, size_t len);
 /* The CPU's time-stamp counter: slow-path time is kept in these ticks and
  * converted to ns over the process's life (stats.c), so the slow paths
- * read no clock. Inline: one instruction and a flag no program sets.
- *
- * The replayer (hakmem-replay.c run_once) switches to the thread's CPU
- * clock instead: learnd's screening runs 9 replays of an intermittent
- * program side by side on one CPU, and wall time inside a slow path
- * counted the other replays' turns and the waits for a decay thread
- * preempted while it held the lock the slow path wanted. bench-learn's
- * spikes, one screening: cap=4 drain=100's slow paths took 62 ms against
- * cap=4 warm=0's 17, which live ran 19.4 ms of CPU a second against 25.0.
- * Each read costs about 300 ns here (a system call, no vDSO for a thread's
- * clock), and the reads are counted so an interval leaves out the reads
- * made inside it; an interval can then come out below zero, and callers
- * count none (_hk_os_ticks_since). */
-extern bool _hk_ticks_cpu;
-uint64_t _hk_os_cpu_ticks(void);
-void _hk_os_ticks_on_cpu(void);
-static inline uint64_t _hk_os_ticks(void) {
-  return __builtin_expect(_hk_ticks_cpu, 0) ? _hk_os_cpu_ticks() : __builtin_ia32_rdtsc();
-}
-/* Ticks from t0 to now, none when the clock's read costs make it negative. */
+ * read no clock. Inline: one instruction. */
+static inline uint64_t _hk_os_ticks(void) { return __builtin_ia32_rdtsc(); }
+/* Ticks from t0 to now; none if the counter went back (a migration
+ * between CPUs whose counters disagree). */
 static inline uint64_t _hk_os_ticks_since(uint64_t t0) {
   uint64_t d = _hk_os_ticks() - t0;
   return (int64_t)d > 0 ? d : 0;
 }
+/* The most one slow path counts, in ticks; 0 (programs): no bound. The
+ * replayer sets it (_hk_os_bound_slow_paths, from hakmem-replay.c
+ * run_once): learnd's screening runs 9 replays of an intermittent program
+ * side by side on one CPU, and a slow path preempted by another replay, or
+ * waiting for a decay thread preempted while it held the lock the slow path
+ * wanted, counted that replay's turn on the wall clock (bench-learn's
+ * spikes, one screening: cap=4 drain=100's slow paths took 62 ms against
+ * cap=4 warm=0's 17, which live ran 19.4 ms of CPU a second against 25.0).
+ * Without the kernel's part (priced apart), a slow path runs well under a
+ * microsecond; a turn lost to another process lasts milliseconds. The
+ * thread's CPU clock told them apart too, but as a system call (no vDSO for
+ * a thread's clock) it made a replay of cap=4 five times slower. */
+extern uint64_t _hk_slow_bound_ticks;
+void _hk_os_bound_slow_paths(void);
 
 /* ---- the process (telemetry.c's header, thread.c's registry, init.c) */
 uint32_t _hk_os_pid(void);

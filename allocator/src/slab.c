@@ -648,10 +648,11 @@ static HK_NOINLINE uint32_t take_after_trim(hk_tcache_t* tc, hk_central_t* c, un
 }
 
 /* A slow path's ticks since t0, less its time in the kernel since k0
- * (prim.c: priced apart); none when the replayer's clock makes it negative. */
+ * (prim.c: priced apart), at most the replayer's bound (prim.h). */
 static inline uint64_t slow_since(uint64_t t0, uint64_t k0) {
   uint64_t d = _hk_os_ticks() - t0 - (_hk_kernel_ticks - k0);
-  return (int64_t)d > 0 ? d : 0;
+  if ((int64_t)d < 0) return 0;   /* a migration between CPUs whose counters disagree */
+  return HK_UNLIKELY(_hk_slow_bound_ticks) && d > _hk_slow_bound_ticks ? _hk_slow_bound_ticks : d;
 }
 
 void* _hk_refill(hk_tcache_t* tc, unsigned cls) {

@@ -29,7 +29,6 @@ void _hk_stats_clock_start(void) {
 }
 
 static uint64_t ticks_to_ns(uint64_t t) {
-  if (_hk_ticks_cpu) return t;   /* the replayer's clock counts nanoseconds (prim.h) */
   uint64_t dt = _hk_os_ticks() - tsc0, dn = _hk_os_now_ns() - ns0;
   if (dt == 0 || dn < 1000000) return t / 3;   /* ~3 GHz until measured */
   return (uint64_t)((double)t * (double)dn / (double)dt);

@@ -2,6 +2,7 @@
 preloaded workload's measurements, scraped over HTTP with a real client and
 read back with prometheus-client's own parser of the text format."""
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -48,9 +49,11 @@ def test_metrics_endpoint_serves_what_learnd_measures(tmp_path):
         assert samples(fams, "hakmem_learnd_info")[0].labels["version"]
         assert samples(fams, "hakmem_learnd_processes")[0].value == 0
 
-        # Long enough for learnd's screening (a capture and its replays, about
-        # 4 s) and a trial decided after it.
-        w = start(["burst", 64, 3000, scaled(12)], d.shm)
+        # Running until a trial is decided, then ended: learnd's screening (a
+        # capture, the trace's analysis, 13 replays staggered 0.25 s) took
+        # 7-10 s of a 12-s run here and in CI, and the A/B's first pair
+        # needs 8 windows after it (3 left out after each switch).
+        w = start(["burst", 64, 3000, scaled(60)], d.shm)
         ring_path(d.shm, w.pid)
         pid = str(w.pid)
 
@@ -77,7 +80,10 @@ def test_metrics_endpoint_serves_what_learnd_measures(tmp_path):
         assert verdicts == {"accepted", "rolled_back", "settled", "relearn"}
         assert fams["hakmem_learnd_windows"].type == "counter"
 
-        assert w.wait(scaled(30)) == 0
+        wait_for(lambda: re.search(r"\bpolicy_(accepted|rolled_back) workload\b", d.text()), 45,
+                 lambda: f"a verdict on the first trial:\n{d.text()[-3000:]}")
+        w.terminate()
+        assert w.wait(scaled(30)) == -signal.SIGTERM
         d.wait_log(f"process_exited workload[{w.pid}]")
 
         def forgotten():   # an exited process leaves the per-process series

@@ -1224,10 +1224,27 @@ TEST(huge_cache_gives_back_idle_mappings) {
  * earlier objects wrote), the page faults its memset takes (a fresh
  * mapping would take one per page: 1280 for 5 MiB) and the committed bytes
  * once everything is trimmed. */
+/* The stats once trimmed and still: the decay thread unmaps what it takes
+ * off the huge cache outside the lock (huge.c _hk_huge_decay), so a
+ * malloc_trim can return while those bytes are still committed. Under
+ * memcheck that lasted long enough to be read: 23 MiB committed at this
+ * test's start against 12.5 at its end (the fresh-clone CI of cdbe2d1). */
+static int trimmed_stats(hk_stats_t* s) {
+  uint64_t last = UINT64_MAX;
+  for (int i = 0; i < 100; i++) {
+    malloc_trim(0);
+    if (hk_stats_get(s) != 0) return -1;
+    if (s->committed_bytes == last) return 0;
+    last = s->committed_bytes;
+    struct timespec ts = {0, 50 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  return 0;
+}
+
 TEST(huge_pieces_split_and_join) {
   static hk_stats_t s0, s1;
-  REQUIRE(malloc_trim(0) >= 0);
-  REQUIRE(hk_stats_get(&s0) == 0);
+  REQUIRE(trimmed_stats(&s0) == 0);
   int count = !under_valgrind();   /* memcheck's own pages fault too */
 
   /* Split: 24 MiB written and freed, then 5 MiB (a 8 MiB mapping) and 15 MiB. */
@@ -1297,7 +1314,7 @@ TEST(huge_pieces_split_and_join) {
   free(d);
 
   CHECK_EQ(malloc_trim(0), 1);
-  REQUIRE(hk_stats_get(&s1) == 0);
+  REQUIRE(trimmed_stats(&s1) == 0);
   CHECK_EQ(s1.committed_bytes, s0.committed_bytes);
   CHECK_EQ(s1.cls[0].live_bytes, s0.cls[0].live_bytes);
 }

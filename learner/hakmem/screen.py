@@ -372,17 +372,22 @@ class Gate:
         return per is not None and now >= self.starts[-1] + per - max(self.MARGIN_S, per / 4)
 
     def _run(self):
-        prev = self.clock.monotonic()
         self._ran_s(self._cpu() or 0)
+        prev = self.clock.monotonic()
         last_busy, burst, open_until = float("-inf"), False, 0.0
         while not self._stop.wait(self.POLL_S):
-            now = self.clock.monotonic()
             ticks = self._cpu()
             if ticks is None:          # the program is gone: nothing left to spare
                 break
             # The stat read first: a pid that ended and was reused reads
-            # as gone here before its clock is another process's.
-            ran, dt, prev = self._ran_s(ticks), max(now - prev, self.POLL_S), now
+            # as gone here before its clock is another process's. The time
+            # read right after the program's clock, with no read between
+            # (the stat's releases the GIL, and learnd's other threads can
+            # keep it for milliseconds): the CPU time and the time it is
+            # shared over span the same interval.
+            ran = self._ran_s(ticks)
+            now = self.clock.monotonic()
+            dt, prev = max(now - prev, self.POLL_S), now
             if ran >= self.BUSY_SHARE * dt:
                 if not burst:
                     self.starts = (self.starts + [now])[-8:]

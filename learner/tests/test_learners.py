@@ -568,6 +568,17 @@ def test_gp_warm_start_of_a_stored_default_settles_too():
     assert all(same(k, ctx.default) for k in in_force)
 
 
+def test_gp_history_of_a_moment_is_no_warm_start():
+    # A process that lived 0.2 s left the default measured for 1 window
+    # (PostgreSQL's first): the next start searches as a cold one would.
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    history = [Prior(ctx.default, sim.truth(ctx.default)["cost"], 0.002, 1)]
+    decisions, _, _ = drive(GPLearner(seed=0), sim, ctx, 40, history=history)
+    kinds = [d.kind for _, d in decisions]
+    assert "settle" not in kinds[:1] and "explore" in kinds, decisions
+
+
 def test_gp_warm_start_settled_searches_again_when_the_mix_moves():
     ctx = make_ctx()
     sim = Sim(ctx, hot=64, allocs=2e6)

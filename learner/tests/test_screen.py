@@ -1039,6 +1039,64 @@ def test_the_gate_sees_every_burst_shorter_than_a_clock_tick_and_no_thread_wakin
         assert _share_closed(rec, b + 0.35, b + 0.6) <= 0.1, f"closed in the idle time after burst {k}: {rec}"
 
 
+class _ScriptedGate:
+    """A Gate fed a program's CPU time per 5-ms reading from a list, on a
+    clock that moves 5 ms a reading: what it counts as bursts, exactly."""
+
+    def __new__(cls, ran):
+        import threading
+        from hakmem.screen import Gate
+
+        class Scripted(Gate):
+            POLL_S = 0.0005          # the real wait between readings; the clock says 5 ms
+
+            def __init__(self):
+                self.script, self.i, self.t, self.done = [0.0, *ran], 0, 0.0, threading.Event()
+                super().__init__(os.getpid(), clock=self)
+
+            def monotonic(self):
+                return self.t
+
+            def _cpu(self):
+                if self.i >= len(self.script):
+                    self.done.set()
+                    return None
+                return 0
+
+            def _ran_s(self, ticks):
+                r, self.i, self.t = self.script[self.i], self.i + 1, self.t + 0.005
+                return r
+
+        g = Scripted()
+        assert g.done.wait(60)
+        g.close()
+        return g
+
+
+def test_a_moment_of_cpu_between_bursts_is_not_a_burst_of_the_period():
+    """The CI run of 6f84883 saw the short-burst test's gate count a fifth
+    burst 0.4 s after the third, one reading of more than 0.5 ms where the
+    program only had a thread waking every 20 ms. Bursts of 4 ms every 1.2 s
+    (the last split by a 20-ms pause), a 0.1-ms wake every 20 ms, single
+    readings of 0.6 and 1.5 ms between bursts (one 0.1 s before a burst),
+    and four wakes in a row of 0.6 ms: the gate counts the five bursts
+    where they start, and the period is 1.2 s."""
+    ran = [0.0001 if i % 4 == 0 else 0.0 for i in range(1000)]
+    for k in range(4):
+        i = round(k * 1.2 / 0.005)
+        ran[i], ran[i + 1] = 0.001, 0.003
+    i = round(4.8 / 0.005)
+    ran[i], ran[i + 4] = 0.001, 0.003
+    for t, cpu in ((0.6, 0.0015), (2.8, 0.0006), (3.5, 0.0015)):
+        ran[round(t / 0.005)] = cpu
+    for i in range(4):                            # four slow wakes in a row, as seen here once
+        ran[round(1.7 / 0.005) + 4 * i] = 0.0006
+    g = _ScriptedGate(ran)
+    starts = [s - 0.01 for s in g.starts]         # reading i is stamped (i + 2) * 5 ms
+    assert starts == pytest.approx([0.0, 1.2, 2.4, 3.6, 4.8], abs=0.001), starts
+    assert g.period() == pytest.approx(1.2, abs=0.001)
+
+
 def test_a_program_that_stays_busy_holds_the_replays_at_most_half_the_time():
     import time
     gate, rec = _watched(1, 4.0, 1, 3.5)

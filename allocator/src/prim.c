@@ -61,13 +61,9 @@ uint64_t _hk_slow_bound_ticks;
  * lasts 1.8 ms or more. Ticks per us measured against the monotonic clock
  * over 5 ms of sleep: asleep, both clocks run alike, preempted or not. */
 void _hk_os_bound_slow_paths(void) {
-  struct timespec a, b;
-  clock_gettime(CLOCK_MONOTONIC, &a);
-  uint64_t t0 = _hk_os_ticks();
+  uint64_t a = _hk_os_now_ns(), t0 = _hk_os_ticks();
   _hk_os_sleep_ms(5);
-  uint64_t t1 = _hk_os_ticks();
-  clock_gettime(CLOCK_MONOTONIC, &b);
-  uint64_t ns = (uint64_t)(b.tv_sec - a.tv_sec) * 1000000000u + (uint64_t)b.tv_nsec - (uint64_t)a.tv_nsec;
+  uint64_t t1 = _hk_os_ticks(), ns = _hk_os_now_ns() - a;
   uint64_t per_us = ns > 0 && t1 > t0 ? (t1 - t0) * 1000 / ns : 3000;   /* ~3 GHz, unmeasured */
   _hk_slow_bound_ticks = 100 * (per_us ? per_us : 1);
 }

@@ -102,7 +102,7 @@ static inline uint64_t _hk_os_ticks_since(uint64_t t0) {
  * Without the kernel's part (priced apart), a slow path runs well under a
  * microsecond; a turn lost to another process lasts milliseconds. The
  * thread's CPU clock told them apart too, but as a system call (no vDSO for
- * a thread's clock) it made a replay of cap=4 five times slower. */
+ * a thread's clock) it made a replay of cap=4 four to five times slower. */
 extern uint64_t _hk_slow_bound_ticks;
 void _hk_os_bound_slow_paths(void);
 

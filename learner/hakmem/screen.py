@@ -286,9 +286,9 @@ class Gate:
     QUIET_S = 0.25
     # A burst's start counts toward the period once the program ran this
     # much in busy readings, none LAPSE_S apart. In one CI run the gate
-    # counted a fifth start 0.4 s after a 4-ms burst, between two bursts,
-    # where the program had only a thread that wakes every 20 ms (70-170
-    # us of CPU a wake, most runs here): one reading of more than 0.5 ms.
+    # counted one start too many, 0.4 s after a 4-ms burst, where the
+    # program had only a thread that wakes every 20 ms (80-170 us of CPU
+    # a wake in most runs here): one reading of more than 0.5 ms.
     # In 1 of 20 runs here, four wakes in a row took 0.34-0.58 ms each,
     # 1.9 ms in all. A guess, not proven: this VM's vCPUs lose time to
     # their host (/proc/stat's steal), which a task's CPU clock may count

@@ -1039,38 +1039,37 @@ def test_the_gate_sees_every_burst_shorter_than_a_clock_tick_and_no_thread_wakin
         assert _share_closed(rec, b + 0.35, b + 0.6) <= 0.1, f"closed in the idle time after burst {k}: {rec}"
 
 
-class _ScriptedGate:
-    """A Gate fed a program's CPU time per 5-ms reading from a list, on a
-    clock that moves 5 ms a reading: what it counts as bursts, exactly."""
+def _scripted_gate(ran):
+    """A Gate fed a program's CPU time per 5-ms reading from `ran`, on a
+    clock that moves 5 ms a reading, run to the script's end: what it
+    counts as bursts, exactly."""
+    import threading
+    from hakmem.screen import Gate
 
-    def __new__(cls, ran):
-        import threading
-        from hakmem.screen import Gate
+    class Scripted(Gate):
+        POLL_S = 0.0005          # the real wait between readings; the clock says 5 ms
 
-        class Scripted(Gate):
-            POLL_S = 0.0005          # the real wait between readings; the clock says 5 ms
+        def __init__(self):
+            self.script, self.i, self.t, self.done = [0.0, *ran], 0, 0.0, threading.Event()
+            super().__init__(os.getpid(), clock=self)
 
-            def __init__(self):
-                self.script, self.i, self.t, self.done = [0.0, *ran], 0, 0.0, threading.Event()
-                super().__init__(os.getpid(), clock=self)
+        def monotonic(self):
+            return self.t
 
-            def monotonic(self):
-                return self.t
+        def _cpu(self):
+            if self.i >= len(self.script):
+                self.done.set()
+                return None
+            return 0
 
-            def _cpu(self):
-                if self.i >= len(self.script):
-                    self.done.set()
-                    return None
-                return 0
+        def _ran_s(self, ticks):
+            r, self.i, self.t = self.script[self.i], self.i + 1, self.t + 0.005
+            return r
 
-            def _ran_s(self, ticks):
-                r, self.i, self.t = self.script[self.i], self.i + 1, self.t + 0.005
-                return r
-
-        g = Scripted()
-        assert g.done.wait(60)
-        g.close()
-        return g
+    g = Scripted()
+    assert g.done.wait(60)
+    g.close()
+    return g
 
 
 def test_a_moment_of_cpu_between_bursts_is_not_a_burst_of_the_period():
@@ -1091,7 +1090,7 @@ def test_a_moment_of_cpu_between_bursts_is_not_a_burst_of_the_period():
         ran[round(t / 0.005)] = cpu
     for i in range(4):                            # four slow wakes in a row, as seen here once
         ran[round(1.7 / 0.005) + 4 * i] = 0.0006
-    g = _ScriptedGate(ran)
+    g = _scripted_gate(ran)
     starts = [s - 0.01 for s in g.starts]         # reading i is stamped (i + 2) * 5 ms
     assert starts == pytest.approx([0.0, 1.2, 2.4, 3.6, 4.8], abs=0.001), starts
     assert g.period() == pytest.approx(1.2, abs=0.001)

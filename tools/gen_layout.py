@@ -112,7 +112,7 @@ def gen_counters_h(spec):
 
 
 # ---- knobs -------------------------------------------------------------------
-KNOB_KEYS = {"name", "per_class", "bounds", "env", "unit", "desc", "min", "max", "default", "at_most"}
+KNOB_KEYS = {"name", "per_class", "bounds", "env", "unit", "desc", "min", "max", "default", "at_most", "since_layout"}
 RULE_KEYS = ({"worth", "per", "lo", "hi"}, {"of", "div", "lo", "hi"})
 
 
@@ -143,7 +143,7 @@ def check_knobs(spec):
                 sys.exit(f"gen_layout: knob {k['name']}: {where}: of names an earlier knob (a per-class one only from a per-class knob), div >= 1")
 
     for k in spec["knobs"]:
-        missing = KNOB_KEYS - {"at_most"} - set(k)
+        missing = KNOB_KEYS - {"at_most", "since_layout"} - set(k)
         if missing or set(k) - KNOB_KEYS:
             sys.exit(f"gen_layout: knob {k.get('name')}: missing {sorted(missing)} or unknown {sorted(set(k) - KNOB_KEYS)}")
         if not isinstance(k["min"], int):
@@ -156,6 +156,10 @@ def check_knobs(spec):
             ref = seen.get(k["at_most"])
             if ref is None or (ref["per_class"] and not k["per_class"]):
                 sys.exit(f"gen_layout: knob {k['name']}: at_most names an earlier knob")
+        if "since_layout" in k and (k["per_class"] or not isinstance(k["default"], int)
+                                    or not 1 < k["since_layout"] <= spec["layout_version"]):
+            sys.exit(f"gen_layout: knob {k['name']}: since_layout is for a per-process knob with one default, "
+                     f"added after layout 1 and by this one")
         seen[k["name"]] = k
     return seen
 
@@ -305,7 +309,8 @@ def gen_layout_py(spec, lay):
     }
     knobs = [{"name": k["name"], "per_class": k["per_class"], "bounds": k["bounds"], "env": k["env"],
               "unit": k["unit"], "desc": k["desc"], "min": k["min"], "max": k["max"],
-              "default": k["default"], "at_most": k.get("at_most")} for k in spec["knobs"]]
+              "default": k["default"], "at_most": k.get("at_most"),
+              "since_layout": k.get("since_layout")} for k in spec["knobs"]]
     consts = []
     for k in spec["knobs"]:
         N = k["name"].upper()

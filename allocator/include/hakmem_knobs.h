@@ -19,6 +19,7 @@
 
 /* Per process (uint32_t in hk_policy_t). */
 #define HK_PROC_KNOBS(X) \
-  X(drain_ms, DRAIN_MS, drain_ms, "HAKMEM_DRAIN_MS", "ms", 0u, 3600000u, 1000, "idle drain interval: classes a thread did not use for this long return their cached blocks, warm pools nobody drew from shrink by half (0 = never)")
+  X(drain_ms, DRAIN_MS, drain_ms, "HAKMEM_DRAIN_MS", "ms", 0u, 3600000u, 1000, "idle drain interval: classes a thread did not use for this long return their cached blocks, warm pools nobody drew from shrink by half (0 = never)") \
+  X(retain_mib, RETAIN_MIB, retain_mib, "HAKMEM_RETAIN_MIB", "MiB", 0u, 65536u, 256, "freed memory kept resident for reuse: the least cap on free slab pages any class reuses (an eighth of the heap's worth at the default, in proportion below it) and the huge-mapping cache's budget (at most 128 MiB); 0 keeps none: every page freed goes back to the OS at once")
 
 #endif /* HAKMEM_KNOBS_H */

@@ -67,7 +67,18 @@ static void* place(void* base, size_t map_len, size_t off, size_t n, bool severa
  * mimalloc-bench's mstress (2 threads replacing objects up to 5 MiB, few
  * live at a time) 414 of its 1,250 huge objects were mapped afresh, and
  * it took 3.3x the page faults it takes with 128 MiB. */
-static size_t cache_budget(void) { return HK_HUGE_CACHE_BYTES; }
+static _Atomic size_t budget_bytes = HK_HUGE_CACHE_BYTES;
+static size_t cache_budget(void) { return hk_load_relaxed(&budget_bytes); }
+
+/* The policy's retain_mib (options.c install) bounds the budget too, so a
+ * program told to keep little freed memory keeps little of either kind
+ * (sqlite3's shell grows a buffer by realloc to 64 MiB and frees it every
+ * statement: with only the slab pages' cap lowered, the cache still held
+ * 100 MiB of those mappings). */
+void _hk_huge_retain(uint32_t mib) {
+  size_t b = (size_t)mib << 20;
+  hk_store_relaxed(&budget_bytes, b < HK_HUGE_CACHE_BYTES ? b : HK_HUGE_CACHE_BYTES);
+}
 
 /* Gives a mapping (or part of one) that committed_bytes counts back to the OS. */
 static void unmap_range(void* p, size_t len) {
@@ -439,6 +450,28 @@ void _hk_huge_decay(void) {
       h->aged = 1;
       link = &h->next_cached;
     }
+  }
+  _hk_unlock(&huge_lock);
+  while (out) {
+    hk_huge_t* next = out->next_cached;
+    unmap_range(out->base, out->map_len);
+    out = next;
+  }
+}
+
+/* After a lowered budget (hk_policy_set): the oldest mappings over it go
+ * back now, not when the next free finds the cache full. */
+void _hk_huge_fit(void) {
+  if (!cache) return;   /* racy peek: nothing cached, nothing to fit */
+  size_t budget = cache_budget();
+  hk_huge_t* out = NULL;
+  _hk_lock(&huge_lock);
+  while (cache && cache_bytes > budget) {
+    hk_huge_t** link = &cache;
+    while ((*link)->next_cached) link = &(*link)->next_cached;
+    hk_huge_t* h = cache_unlink(link);
+    h->next_cached = out;
+    out = h;
   }
   _hk_unlock(&huge_lock);
   while (out) {

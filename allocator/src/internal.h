@@ -239,6 +239,7 @@ bool       _hk_segment_trim(void);                   /* dirty pages and cached s
 void       _hk_segment_decay(void);                  /* dirty pages idle for an interval back */
 #define HK_DIRTY_SHARE_ONE 1024u
 void       _hk_segment_dirty_share(uint32_t share);   /* dirty cap × share/HK_DIRTY_SHARE_ONE (the policy's) */
+void       _hk_segment_retain(uint32_t mib);          /* the policy's retain_mib: the dirty cap's floor (segment.c) */
 void       _hk_segment_fit_dirty(void);              /* dirty pages over the cap back now */
 void       _hk_segment_lock(void);
 void       _hk_segment_unlock(void);
@@ -250,6 +251,8 @@ size_t _hk_huge_usable(const void* p);
 void*  _hk_huge_realloc(void* p, size_t n);            /* NULL: could not in place */
 bool   _hk_huge_trim(void);
 void   _hk_huge_decay(void);                        /* cached mappings idle for an interval back */
+void   _hk_huge_retain(uint32_t mib);               /* the policy's retain_mib: the cache's budget, at most HK_HUGE_CACHE_BYTES */
+void   _hk_huge_fit(void);                          /* cached mappings over the budget back */
 void   _hk_huge_lock(void);
 void   _hk_huge_unlock(void);
 void   _hk_huge_reinit_lock(void);

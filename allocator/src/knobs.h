@@ -43,4 +43,10 @@ static inline uint32_t _hk_knob_clamp(uint64_t v, uint32_t lo, uint32_t hi) {
 #define HK_KNOB_DRAIN_MS_AT_MOST(p, cls) UINT32_MAX
 #define HK_KNOB_DRAIN_MS_DEFAULT(size, slab, p, cls) 1000u
 
+/* retain_mib (MiB): freed memory kept resident for reuse: the least cap on free slab pages any class reuses (an eighth of the heap's worth at the default, in proportion below it) and the huge-mapping cache's budget (at most 128 MiB); 0 keeps none: every page freed goes back to the OS at once */
+#define HK_KNOB_RETAIN_MIB_MIN 0u
+#define HK_KNOB_RETAIN_MIB_MAX(size, slab) 65536u
+#define HK_KNOB_RETAIN_MIB_AT_MOST(p, cls) UINT32_MAX
+#define HK_KNOB_RETAIN_MIB_DEFAULT(size, slab, p, cls) 256u
+
 #endif /* HK_KNOBS_H */

@@ -251,6 +251,8 @@ static void install(const hk_policy_t* p) {
   for (unsigned cls = 0; cls < HK_NUM_CLASSES; cls++)
     hk_store_relaxed(&_hk_warm_limit[cls], cls ? p->warm_slabs[cls] : 0);
   _hk_segment_dirty_share(dirty_share_of(p));
+  _hk_segment_retain(p->retain_mib);
+  _hk_huge_retain(p->retain_mib);
   uint64_t v = hk_load_relaxed(&live_version) + 1;
   live.version = v;
   hk_store_release(&live_version, v);
@@ -320,7 +322,8 @@ HK_EXPORT uint64_t hk_policy_set(const hk_policy_t* p) {
   uint64_t v = live.version;
   _hk_unlock(&policy_lock);
   _hk_threads_trap();        /* every thread takes it up at its next free, not at its next check-in */
-  _hk_segment_fit_dirty();   /* a lowered share takes effect now, not at the next decay */
+  _hk_segment_fit_dirty();   /* a lowered share or retain takes effect now, not at the next decay */
+  _hk_huge_fit();
   return v;
 }
 

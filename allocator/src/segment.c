@@ -30,6 +30,7 @@
  * fewer dirty pages in proportion (options.c: dirty_share_of).
  */
 #include "internal.h"
+#include "knobs.h"
 #include "prim.h"
 
 uint8_t _hk_map[HK_MAP_ENTRIES] HK_SPARSE_BSS;
@@ -43,8 +44,8 @@ static uintptr_t reserve_next, reserve_end;    /* address space for new segments
  * the cap, which is advice). */
 static _Atomic uint64_t dirty_total;
 
-/* At most this many dirty pages: 256 MiB, or an eighth of what the process
- * has committed when that is more. With 32 MiB, mimalloc-bench's mstress
+/* At most this many dirty pages: 256 MiB (retain_mib, below), or an eighth
+ * of what the process has committed when that is more. With 32 MiB, mimalloc-bench's mstress
  * (2 threads replacing objects of 8 B to 5 MiB) gave back and faulted in
  * again slabs of its 160 KiB-1 MiB classes 800-1,000 times a run: about
  * 45k of its 105k page faults. With 64 MiB, mimalloc's test-stress (32
@@ -55,7 +56,6 @@ static _Atomic uint64_t dirty_total;
  * no more dirty pages than it freed, and what is kept is kept for a drain
  * interval or two (_hk_segment_decay), not for good: jemalloc keeps its
  * dirty pages 10 s by default, with no cap. */
-#define DIRTY_MIN_PAGES ((256u << 20) >> HK_PAGE_SHIFT)
 #define DIRTY_SHARE     8
 
 #define ALL_SLAB_PAGES (~(uint64_t)1)          /* pages 1..63 */
@@ -224,9 +224,23 @@ void _hk_segment_dirty_share(uint32_t share) {
   hk_store_relaxed(&dirty_share, share < HK_DIRTY_SHARE_ONE ? share : HK_DIRTY_SHARE_ONE);
 }
 
+/* The policy's retain_mib (knobs.h): the cap's floor in MiB, and the share
+ * of the heap it grows to above that, in proportion (an eighth at the
+ * default). That default is the floor the comment above measured; a
+ * program that reuses less of what it frees than mstress does (sqlite3's
+ * shell: 250 MiB resident for 80 under glibc, most of it freed pages kept
+ * through its whole run) is told to keep less, and 0 keeps nothing. */
+#define RETAIN_DEFAULT_MIB HK_KNOB_RETAIN_MIB_DEFAULT(0, 0, NULL, 0)
+static _Atomic uint32_t retain_mib = RETAIN_DEFAULT_MIB;
+
+void _hk_segment_retain(uint32_t mib) { hk_store_relaxed(&retain_mib, mib); }
+
 static uint64_t dirty_cap(void) {
-  uint64_t cap = (hk_load_relaxed(&_hk_proc.committed_bytes) >> HK_PAGE_SHIFT) / DIRTY_SHARE;
-  if (cap < DIRTY_MIN_PAGES) cap = DIRTY_MIN_PAGES;
+  uint64_t r = hk_load_relaxed(&retain_mib);
+  uint64_t floor = (r << 20) >> HK_PAGE_SHIFT;
+  uint64_t cap = (hk_load_relaxed(&_hk_proc.committed_bytes) >> HK_PAGE_SHIFT) / DIRTY_SHARE
+                 * r / RETAIN_DEFAULT_MIB;
+  if (cap < floor) cap = floor;
   return cap * hk_load_relaxed(&dirty_share) / HK_DIRTY_SHARE_ONE;
 }
 

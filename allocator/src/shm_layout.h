@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #define HK_SHM_MAGIC          0x3130474e49524b48ull  /* "HKRING01" little-endian */
-#define HK_SHM_LAYOUT_VERSION 6u
+#define HK_SHM_LAYOUT_VERSION 7u
 #define HK_SHM_NUM_CLASSES    61u
 #define HK_SHM_RING_SLOTS     16u
 #define HK_SHM_HEADER_SIZE    4096u
@@ -105,21 +105,21 @@ typedef struct {
   uint64_t version;  /* @0: snapshot version this slot carries */
   uint64_t checksum;  /* @8: FNV-1a 64 of version (8 bytes LE) followed by the slot's bytes after checksum to the end */
   uint32_t drain_ms;  /* @16: ms, idle drain interval: classes a thread did not use for this long return their cached blocks, warm pools nobody drew from shrink by half (0 = never) */
-  uint32_t flags;  /* @20: 0 */
-  uint32_t tcache_cap[61];  /* @24: blocks, blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those) (class 0: 0) */
-  uint32_t tcache_batch[61];  /* @268: blocks, blocks moved per refill or drain (default: cap/2, at most 256) (class 0: 0) */
-  uint32_t warm_slabs[61];  /* @512: slabs, empty slabs a class keeps for reuse before returning them to the OS; fewer in all than the default also shrink, in proportion, the freed pages kept for any size (none keeps none) (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) (class 0: 0) */
-  uint32_t _pad0;  /* @756 */
+  uint32_t retain_mib;  /* @20: MiB, freed memory kept resident for reuse: the least cap on free slab pages any class reuses (an eighth of the heap's worth at the default, in proportion below it) and the huge-mapping cache's budget (at most 128 MiB); 0 keeps none: every page freed goes back to the OS at once */
+  uint32_t flags;  /* @24: 0 */
+  uint32_t tcache_cap[61];  /* @28: blocks, blocks a thread may cache per class; over it, a drain (default: 64 KiB worth up to 1 KiB blocks, 1 MiB worth up to 128 KiB, none above: freed pages of any size serve those) (class 0: 0) */
+  uint32_t tcache_batch[61];  /* @272: blocks, blocks moved per refill or drain (default: cap/2, at most 256) (class 0: 0) */
+  uint32_t warm_slabs[61];  /* @516: slabs, empty slabs a class keeps for reuse before returning them to the OS; fewer in all than the default also shrink, in proportion, the freed pages kept for any size (none keeps none) (default: 1 MiB worth up to 128 KiB blocks, none above: freed pages of any size serve those) (class 0: 0) */
 } hk_shm_policy_slot_t;
 _Static_assert(sizeof(hk_shm_policy_slot_t) == 760, "policy_slot size");
 _Static_assert(offsetof(hk_shm_policy_slot_t, version) == 0, "policy_slot.version");
 _Static_assert(offsetof(hk_shm_policy_slot_t, checksum) == 8, "policy_slot.checksum");
 _Static_assert(offsetof(hk_shm_policy_slot_t, drain_ms) == 16, "policy_slot.drain_ms");
-_Static_assert(offsetof(hk_shm_policy_slot_t, flags) == 20, "policy_slot.flags");
-_Static_assert(offsetof(hk_shm_policy_slot_t, tcache_cap) == 24, "policy_slot.tcache_cap");
-_Static_assert(offsetof(hk_shm_policy_slot_t, tcache_batch) == 268, "policy_slot.tcache_batch");
-_Static_assert(offsetof(hk_shm_policy_slot_t, warm_slabs) == 512, "policy_slot.warm_slabs");
-_Static_assert(offsetof(hk_shm_policy_slot_t, _pad0) == 756, "policy_slot._pad0");
+_Static_assert(offsetof(hk_shm_policy_slot_t, retain_mib) == 20, "policy_slot.retain_mib");
+_Static_assert(offsetof(hk_shm_policy_slot_t, flags) == 24, "policy_slot.flags");
+_Static_assert(offsetof(hk_shm_policy_slot_t, tcache_cap) == 28, "policy_slot.tcache_cap");
+_Static_assert(offsetof(hk_shm_policy_slot_t, tcache_batch) == 272, "policy_slot.tcache_batch");
+_Static_assert(offsetof(hk_shm_policy_slot_t, warm_slabs) == 516, "policy_slot.warm_slabs");
 
 typedef struct {
   uint64_t version;  /* @0: published snapshot version; slot[version % 2] holds it (the writer stores it with release after filling the slot) */
@@ -167,7 +167,7 @@ typedef struct {
   uint32_t num_classes;  /* @120: size classes, class 0 = huge */
   uint32_t batch_max;  /* @124: largest tcache_batch accepted */
   uint32_t drain_ms_max;  /* @128: largest drain_ms accepted */
-  uint32_t _pad0;  /* @132 */
+  uint32_t retain_mib_max;  /* @132: largest retain_mib accepted */
   uint32_t class_size[61];  /* @136: block size per class (0 for class 0) */
   uint32_t cap_max[61];  /* @380: largest tcache_cap accepted per class */
   uint32_t warm_max[61];  /* @624: largest warm_slabs accepted per class */
@@ -204,7 +204,7 @@ _Static_assert(offsetof(hk_shm_header_t, state) == 116, "header.state");
 _Static_assert(offsetof(hk_shm_header_t, num_classes) == 120, "header.num_classes");
 _Static_assert(offsetof(hk_shm_header_t, batch_max) == 124, "header.batch_max");
 _Static_assert(offsetof(hk_shm_header_t, drain_ms_max) == 128, "header.drain_ms_max");
-_Static_assert(offsetof(hk_shm_header_t, _pad0) == 132, "header._pad0");
+_Static_assert(offsetof(hk_shm_header_t, retain_mib_max) == 132, "header.retain_mib_max");
 _Static_assert(offsetof(hk_shm_header_t, class_size) == 136, "header.class_size");
 _Static_assert(offsetof(hk_shm_header_t, cap_max) == 380, "header.cap_max");
 _Static_assert(offsetof(hk_shm_header_t, warm_max) == 624, "header.warm_max");
@@ -259,11 +259,11 @@ _Static_assert(offsetof(hk_shm_header_t, _reserved) == 1208, "header._reserved")
   X(hk_shm_policy_slot_t, version) \
   X(hk_shm_policy_slot_t, checksum) \
   X(hk_shm_policy_slot_t, drain_ms) \
+  X(hk_shm_policy_slot_t, retain_mib) \
   X(hk_shm_policy_slot_t, flags) \
   X(hk_shm_policy_slot_t, tcache_cap) \
   X(hk_shm_policy_slot_t, tcache_batch) \
   X(hk_shm_policy_slot_t, warm_slabs) \
-  X(hk_shm_policy_slot_t, _pad0) \
   X(hk_shm_policy_area_t, version) \
   X(hk_shm_policy_area_t, writer_pid) \
   X(hk_shm_policy_area_t, _pad0) \
@@ -296,7 +296,7 @@ _Static_assert(offsetof(hk_shm_header_t, _reserved) == 1208, "header._reserved")
   X(hk_shm_header_t, num_classes) \
   X(hk_shm_header_t, batch_max) \
   X(hk_shm_header_t, drain_ms_max) \
-  X(hk_shm_header_t, _pad0) \
+  X(hk_shm_header_t, retain_mib_max) \
   X(hk_shm_header_t, class_size) \
   X(hk_shm_header_t, cap_max) \
   X(hk_shm_header_t, warm_max) \

@@ -317,6 +317,7 @@ static void fill_header(hk_shm_header_t* h, uint32_t pid, uint64_t start_time) {
   hk_policy_bounds(1, &b);
   h->batch_max = b.batch_max;
   h->drain_ms_max = b.drain_ms_max;
+  h->retain_mib_max = b.retain_mib_max;
   for (unsigned c = 1; c < HK_NUM_CLASSES; c++) {
     hk_policy_bounds(c, &b);
     h->class_size[c] = _hk_class[c].size;

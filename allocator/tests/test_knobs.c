@@ -233,6 +233,25 @@ TEST(keeping_no_empty_slabs_keeps_no_dirty_pages) {
 
 /* Halving every class's warm pool from the default halves the dirty cap:
  * 512 MiB of 1000-byte blocks freed leaves 128 MiB dirty, not 256. */
+/* What 512 MiB of 1000-byte blocks leave committed once freed, one block
+ * in 1024 staying live so that no segment empties whole (an empty segment
+ * is unmapped, dirty pages and all): the kept pages and the pins' 32 MiB. */
+static uint64_t kept_after_512_mib(void) {
+  malloc_trim(0);
+  hk_stats_t a, b;
+  snap(&a);
+  enum { N = 512 * 1024, PIN_EVERY = 1024 };
+  static void* blk[N];
+  for (int i = 0; i < N; i++) { blk[i] = malloc(1000); memset(blk[i], 1, 1000); }
+  for (int i = 0; i < N; i++)
+    if (i % PIN_EVERY) free(blk[i]);
+  hk_thread_flush();
+  snap(&b);
+  for (int i = 0; i < N; i += PIN_EVERY) free(blk[i]);
+  hk_thread_flush();
+  return b.committed_bytes - a.committed_bytes;
+}
+
 TEST(the_dirty_cap_follows_the_policys_warm_pools) {
   set_all(16, 8, 0, 0);
   hk_policy_t p;
@@ -244,25 +263,120 @@ TEST(the_dirty_cap_follows_the_policys_warm_pools) {
       p.warm_slabs[c] = half ? start_policy.warm_slabs[c] / 2 : start_policy.warm_slabs[c];
     p.warm_slabs[hk_size_class(1000)] = 0;
     REQUIRE(hk_policy_set(&p) != 0);
-    malloc_trim(0);
-    hk_stats_t a, b;
-    snap(&a);
-    /* One block in every 1024 stays live, so no segment empties whole (an
-     * empty segment is unmapped, dirty pages and all): 512 slabs, 32 MiB. */
-    enum { N = 512 * 1024, PIN_EVERY = 1024 };
-    static void* blk[N];
-    for (int i = 0; i < N; i++) { blk[i] = malloc(1000); memset(blk[i], 1, 1000); }
-    for (int i = 0; i < N; i++)
-      if (i % PIN_EVERY) free(blk[i]);
-    hk_thread_flush();
-    snap(&b);
-    dirty[half] = b.committed_bytes - a.committed_bytes;
-    for (int i = 0; i < N; i += PIN_EVERY) free(blk[i]);
+    dirty[half] = kept_after_512_mib();
   }
   harness_say("  kept after 512 MiB freed: default pools %llu KiB, half of them %llu KiB\n",
               (unsigned long long)dirty[0] >> 10, (unsigned long long)dirty[1] >> 10);
   CHECK(dirty[0] >= 280ull << 20 && dirty[0] <= 296ull << 20);   /* 256 MiB and the pins' 32 MiB */
   CHECK(dirty[1] >= 152ull << 20 && dirty[1] <= 168ull << 20);
+  malloc_trim(0);
+}
+
+static int huge_kept, huge_returned;    /* huge_free_and_again's findings */
+static uint64_t huge_hits;
+
+static void set_retain(uint32_t mib) {
+  hk_policy_t p;
+  hk_policy_get(&p);
+  p.retain_mib = mib;
+  if (hk_policy_set(&p) == 0) harness_say("  policy rejected unexpectedly\n");
+}
+
+/* retain_mib is the floor of the freed pages' cap, whatever the warm pools:
+ * with the default's pools, 64 keeps 64 MiB of the 512 freed and 0 keeps
+ * none, every released slab going back as it is released. */
+TEST(retain_caps_the_freed_pages_any_class_reuses) {
+  set_all(16, 8, 0, 0);
+  hk_policy_t p;
+  hk_policy_get(&p);
+  memcpy(p.warm_slabs, start_policy.warm_slabs, sizeof p.warm_slabs);
+  p.warm_slabs[hk_size_class(1000)] = 0;
+  REQUIRE(hk_policy_set(&p) != 0);
+  uint64_t kept[3];
+  const uint32_t retain[3] = {256, 64, 0};
+  for (int i = 0; i < 3; i++) {
+    set_retain(retain[i]);
+    kept[i] = kept_after_512_mib();
+  }
+  harness_say("  kept after 512 MiB freed: retain 256: %llu KiB, 64: %llu KiB, 0: %llu KiB\n",
+              (unsigned long long)kept[0] >> 10, (unsigned long long)kept[1] >> 10,
+              (unsigned long long)kept[2] >> 10);
+  CHECK(kept[0] >= 280ull << 20 && kept[0] <= 296ull << 20);   /* 256 MiB and the pins' 32 MiB */
+  CHECK(kept[1] >= 88ull << 20 && kept[1] <= 104ull << 20);
+  CHECK(kept[2] >= 30ull << 20 && kept[2] <= 36ull << 20);
+  set_retain(start_policy.retain_mib);
+  malloc_trim(0);
+}
+
+/* Lowering retain_mib gives back what is over the new cap in the call that
+ * sets it, not at the next decay pass (none runs here: no drain interval). */
+TEST(lowering_retain_gives_back_the_excess_at_once) {
+  set_all(16, 8, 0, 0);
+  warm_zero_only(1000, 1000);
+  set_retain(start_policy.retain_mib);
+  malloc_trim(0);
+  enum { N = 48 * 1024, PIN_EVERY = 1024 };   /* 48 MiB, 3 MiB of it pinned */
+  static void* blk[N];
+  for (int i = 0; i < N; i++) { blk[i] = malloc(1000); memset(blk[i], 1, 1000); }
+  for (int i = 0; i < N; i++)
+    if (i % PIN_EVERY) free(blk[i]);
+  hk_thread_flush();
+  hk_stats_t a, b;
+  snap(&a);
+  set_retain(8);
+  snap(&b);
+  harness_say("  retain 256 -> 8: committed %llu -> %llu KiB, %llu madvise\n",
+              (unsigned long long)a.committed_bytes >> 10, (unsigned long long)b.committed_bytes >> 10,
+              (unsigned long long)(b.madvise_calls - a.madvise_calls));
+  CHECK(a.committed_bytes >= b.committed_bytes + (32ull << 20));
+  CHECK(b.madvise_calls > a.madvise_calls);
+  for (int i = 0; i < N; i += PIN_EVERY) free(blk[i]);
+  set_retain(start_policy.retain_mib);
+  malloc_trim(0);
+}
+
+/* A huge buffer of n bytes written whole, freed, and asked for again:
+ * committed bytes before and after the free, and whether the second one
+ * came from the cache. */
+static void huge_free_and_again(size_t n, const char* what) {
+  hk_stats_t a, b, c;
+  char* x = malloc(n);
+  memset(x, 1, n);
+  snap(&a);
+  free(x);
+  snap(&b);
+  x = malloc(n);
+  snap(&c);
+  free(x);
+  harness_say("  %s: committed %llu -> %llu KiB after the free, %llu cache hit(s)\n", what,
+              (unsigned long long)a.committed_bytes >> 10, (unsigned long long)b.committed_bytes >> 10,
+              (unsigned long long)(c.huge_cache_hits - b.huge_cache_hits));
+  huge_kept = b.committed_bytes + (1u << 20) >= a.committed_bytes;
+  huge_returned = a.committed_bytes >= b.committed_bytes + n;
+  huge_hits = c.huge_cache_hits - b.huge_cache_hits;
+}
+
+/* The huge cache's budget is retain_mib too (at most 128 MiB): a freed
+ * 24 MiB buffer is kept and serves the next one under the default, goes
+ * back at once under 16, and a lowered budget gives back what it cached. */
+TEST(retain_bounds_the_huge_cache) {
+  const size_t n = 24u << 20;
+  set_retain(start_policy.retain_mib);
+  malloc_trim(0);
+  huge_free_and_again(n, "default");
+  CHECK(huge_kept);
+  CHECK_EQ(huge_hits, 1);
+  hk_stats_t a, b;
+  snap(&a);                       /* the second buffer's mapping is cached */
+  set_retain(16);                 /* and its 28 MiB are over the new budget */
+  snap(&b);
+  harness_say("  retain 16 over a cached mapping: committed %llu -> %llu KiB\n",
+              (unsigned long long)a.committed_bytes >> 10, (unsigned long long)b.committed_bytes >> 10);
+  CHECK(a.committed_bytes >= b.committed_bytes + n);
+  huge_free_and_again(n, "retain 16");
+  CHECK(huge_returned);
+  CHECK_EQ(huge_hits, 0);
+  set_retain(start_policy.retain_mib);
   malloc_trim(0);
 }
 
@@ -456,10 +570,13 @@ TEST(out_of_bounds_policies_are_rejected_whole) {
   bad = p;
   bad.drain_ms = 0xffffffffu;
   CHECK_EQ(hk_policy_set(&bad), 0);
+  bad = p;
+  bad.retain_mib = b.retain_mib_max + 1;
+  CHECK_EQ(hk_policy_set(&bad), 0);
   CHECK_EQ(hk_policy_set(NULL), 0);
   snap(&s1);
   CHECK_EQ(hk_policy_version(), v0);
-  CHECK_EQ(s1.policies_rejected - s0.policies_rejected, 6);
+  CHECK_EQ(s1.policies_rejected - s0.policies_rejected, 7);
   hk_policy_t now;
   hk_policy_get(&now);
   CHECK(memcmp(now.tcache_cap, p.tcache_cap, sizeof p.tcache_cap) == 0);
@@ -477,9 +594,9 @@ static int rerun(const char* mode, const char* env1, const char* env2, char* err
 static int child_report(void) {
   hk_policy_t p;
   hk_policy_get(&p);
-  harness_say("caps %u %u batch %u warm %u drain %u\n", p.tcache_cap[hk_size_class(16)],
+  harness_say("caps %u %u batch %u warm %u drain %u retain %u\n", p.tcache_cap[hk_size_class(16)],
               p.tcache_cap[hk_size_class(20000)], p.tcache_batch[hk_size_class(16)],
-              p.warm_slabs[hk_size_class(16)], p.drain_ms);
+              p.warm_slabs[hk_size_class(16)], p.drain_ms, p.retain_mib);
   hk_stats_t a, b;
   unsigned c = hk_size_class(16);
   hk_stats_get(&a);
@@ -532,6 +649,11 @@ TEST(environment_overrides_are_read_at_start) {
   CHECK(strstr(err, "drain 250") != NULL);
   CHECK_EQ(rerun("report", "HAKMEM_WARM_SLABS=0", "HAKMEM_TCACHE_BATCH=2", err, sizeof err), 0);
   CHECK(strstr(err, "batch 2 warm 0 ") != NULL);
+  CHECK_EQ(rerun("report", "HAKMEM_RETAIN_MIB=64", NULL, err, sizeof err), 0);
+  CHECK(strstr(err, "retain 64\n") != NULL);
+  CHECK_EQ(rerun("report", "HAKMEM_RETAIN_MIB=65537", NULL, err, sizeof err), 0);
+  CHECK(strstr(err, "hakmem: bad option: HAKMEM_RETAIN_MIB=65537") != NULL);
+  CHECK(strstr(err, "retain 256\n") != NULL);
 }
 
 TEST(bad_environment_values_warn_and_keep_the_default) {
@@ -578,6 +700,9 @@ int main(int argc, char** argv) {
   RUN(idle_dirty_pages_go_back_within_two_intervals);
   RUN(keeping_no_empty_slabs_keeps_no_dirty_pages);
   RUN(the_dirty_cap_follows_the_policys_warm_pools);
+  RUN(retain_caps_the_freed_pages_any_class_reuses);
+  RUN(lowering_retain_gives_back_the_excess_at_once);
+  RUN(retain_bounds_the_huge_cache);
   RUN(large_warm_pool_keeps_slab_churn_off_the_os);
   RUN(drain_interval_returns_idle_caches);
   RUN(drain_interval_shrinks_idle_warm_pools);

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 
 from . import layout as L
 from ._pb import hakmem_pb2 as pb
-from .knobs import PER_CLASS, Knobs
+from .knobs import PER_CLASS, Knobs, KnobsError
 from .store import StoreError
 
 if TYPE_CHECKING:
@@ -232,6 +232,17 @@ def _repeated(f) -> bool:
     return f.is_repeated if hasattr(f, "is_repeated") else f.label == f.LABEL_REPEATED
 
 
+def _knobs_dict(m) -> dict:
+    """Knobs as their dict form (the store's JSON, what --json has always
+    printed): a later knob's presence flag (has_retain_mib) folded into its
+    value, unset meaning the default."""
+    try:
+        return Knobs.from_pb(m).to_dict()
+    except KnobsError:
+        return {f.name: (list(getattr(m, f.name)) if _repeated(f) else getattr(m, f.name))
+                for f in m.DESCRIPTOR.fields if not f.name.startswith("has_")}
+
+
 def to_dict(msg) -> dict:
     """A message as plain JSON-able data: every field, 64-bit ints as ints
     (json_format would make them strings), enums as lower-case names."""
@@ -242,8 +253,12 @@ def to_dict(msg) -> dict:
         if f.type == f.TYPE_MESSAGE:
             if repeated:
                 out[f.name] = [to_dict(x) for x in v]
+            elif not msg.HasField(f.name):
+                out[f.name] = None
+            elif f.message_type.name == "Knobs":
+                out[f.name] = _knobs_dict(v)
             else:
-                out[f.name] = to_dict(v) if msg.HasField(f.name) else None
+                out[f.name] = to_dict(v)
         elif f.type == f.TYPE_ENUM:
             name = f.enum_type.values_by_number[v].name if v in f.enum_type.values_by_number else str(v)
             out[f.name] = name.lower()

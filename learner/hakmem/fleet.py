@@ -289,14 +289,14 @@ class FleetDB:
                                 "ON CONFLICT (host_id, program_id) DO UPDATE SET knobs = excluded.knobs, "
                                 "origin = excluded.origin, updated = excluded.updated "
                                 "WHERE host_best.updated <= excluded.updated",
-                                (pid, json.dumps(body["knobs"]), body["origin"], body["t"]))
+                                (pid, _wire(body["knobs"]), body["origin"], body["t"]))
                     continue
                 cur.execute("INSERT INTO hakmem.evaluations (host_id, epoch, seq, program_id, knobs, baseline_knobs, "
                             "verdict, source, windows, cost_mean, cost_sd, baseline_cost, objective, learner, "
                             "t_start, t_end) VALUES (hakmem.me(), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
                             "%s, to_timestamp(%s), to_timestamp(%s)) ON CONFLICT DO NOTHING RETURNING seq",
-                            (epoch, seq, pid, json.dumps(body["knobs"]),
-                             json.dumps(body["baseline_knobs"]) if body.get("baseline_knobs") is not None else None,
+                            (epoch, seq, pid, _wire(body["knobs"]),
+                             _wire(body["baseline_knobs"]) if body.get("baseline_knobs") is not None else None,
                              body["verdict"], body["source"], body["windows"], body["cost_mean"], body.get("cost_sd"),
                              body.get("baseline_cost"), body["objective"], body["learner"], body["t_start"],
                              body["t_end"]))
@@ -310,7 +310,7 @@ class FleetDB:
                                 "ON CONFLICT (host_id, program_id, knobs, source) DO UPDATE SET "
                                 "vs_default = excluded.vs_default, rel = excluded.rel, windows = excluded.windows, "
                                 "t_end = excluded.t_end WHERE verdicts.t_end <= excluded.t_end",
-                                (pid, json.dumps(vd["knobs"]), body["source"], vd["verdict"], vd.get("rel"),
+                                (pid, _wire(vd["knobs"]), body["source"], vd["verdict"], vd.get("rel"),
                                  body["windows"], body["t_end"]))
                     touched.add(pid)
             if touched:
@@ -663,6 +663,14 @@ class FleetLink:
                 "backlog": self.backlog, "pushed": self.pushed, "pulls": self.pulls, "errors": self.errors,
                 "dropped": self.dropped, "offers": len(self.offers), "adopted": self.adopted,
                 "last_error": self.last_error}
+
+
+def _wire(knobs) -> str:
+    """Knobs as the fleet's rows hold them (jsonb, compared and grouped as
+    values): their identity form, so a host from before a later knob
+    (retain_mib) and one after it name the same policy alike."""
+    from .knobs import LATER
+    return json.dumps({k: v for k, v in dict(knobs).items() if LATER.get(k, -1) != v})
 
 
 def outbox_evaluation(prog_ident: dict, ev, default, source: str, learner: str, objective: str) -> dict:

@@ -1,7 +1,8 @@
 """The policy's knobs: one immutable type, every name, bound and rule taken
 from the layout (schemas/shm_layout.json "knobs", generated into _layout.py).
 
-A `Knobs` is what the allocator runs: per-process knobs (drain_ms) as ints,
+A `Knobs` is what the allocator runs: per-process knobs (drain_ms,
+retain_mib) as ints,
 per-class knobs (tcache_cap, tcache_batch, warm_slabs) as tuples of
 NUM_CLASSES ints, class 0 (huge objects) always 0. It reads like the dict the
 rest of hakmem passes around (k["tcache_cap"][c], also k.tcache_cap), is
@@ -12,7 +13,7 @@ immutable and hashable, and converts to and from every form a policy takes:
     the policy slot    ring.encode_slot / Ring.slot_to_policy (via the dict form)
 
 `Bounds` are a process's published bounds (its ring header: cap_max,
-warm_max, batch_max, drain_ms_max), with which `clamp` brings any policy
+warm_max, batch_max, drain_ms_max, retain_mib_max), with which `clamp` brings any policy
 into bounds and `check` names the first value out of them, the allocator's
 own rule (options.c: policy_valid): a policy with any value out of bounds is
 rejected whole.
@@ -36,6 +37,11 @@ PER_CLASS: tuple[str, ...] = tuple(n for n in NAMES if SPEC[n]["per_class"])
 PER_PROCESS: tuple[str, ...] = tuple(n for n in NAMES if not SPEC[n]["per_class"])
 ORDER: tuple[str, ...] = PER_PROCESS + PER_CLASS    # the dict form's (and the store's JSON) key order
 VERSION: str = _layout.VERSION
+# Knobs a later layout added (since_layout): a policy written before one
+# (a store row, an exported file, a fleet row) lacks it and means its
+# default, and its default is left out of the digest so that such a policy
+# keeps the identity it was stored under.
+LATER: dict[str, int] = {n: int(SPEC[n]["default"]) for n in NAMES if SPEC[n].get("since_layout")}
 
 
 def _rule_of(name: str) -> dict | None:
@@ -107,6 +113,8 @@ class Knobs(Mapping):
         src = dict(values or {}, **kw)
         v: dict[str, int | tuple[int, ...]] = {}
         for name in ORDER:
+            if name not in src and name in LATER:
+                src[name] = LATER[name]
             if name not in src:
                 raise KnobsError(f"knobs: {name} is missing")
             if name in PER_CLASS:
@@ -226,17 +234,27 @@ class Knobs(Mapping):
         takes, the store keeps as JSON, and a caller may change freely."""
         return {n: (list(v) if isinstance(v, tuple) else v) for n, v in self._v.items()}   # _v is in ORDER
 
+    def identity(self) -> dict:
+        """The dict form less any later knob (LATER) at its default: what a
+        policy was before that knob existed, so the same policy from hosts
+        and stores of either age is one value (digest, the fleet's rows)."""
+        return {n: v for n, v in self.to_dict().items() if LATER.get(n, -1) != v}
+
     def digest(self) -> str:
-        """sha256 of the canonical JSON: the store's identity of a policy."""
-        return hashlib.sha256(json.dumps(self.to_dict(), separators=(",", ":")).encode()).hexdigest()
+        """sha256 of the canonical JSON of identity(): the store's identity
+        of a policy, the one it had before a later knob existed."""
+        return hashlib.sha256(json.dumps(self.identity(), separators=(",", ":")).encode()).hexdigest()
 
     def to_pb(self):
         from ._pb import hakmem_pb2 as pb
-        return pb.Knobs(**self.to_dict())
+        return pb.Knobs(**self.to_dict(), **{f"has_{n}": True for n in LATER})
 
     @classmethod
     def from_pb(cls, msg) -> "Knobs":
-        return cls({n: (list(getattr(msg, n)) if n in PER_CLASS else getattr(msg, n)) for n in ORDER})
+        """A message from before a later knob has no value for it (has_<knob>
+        false): the knob's default, as in a stored row."""
+        return cls({n: (list(getattr(msg, n)) if n in PER_CLASS else getattr(msg, n)) for n in ORDER
+                    if n not in LATER or getattr(msg, f"has_{n}")})
 
 
 @dataclasses.dataclass(frozen=True)

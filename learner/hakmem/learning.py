@@ -13,7 +13,7 @@ recorded windows in tests and offline. Learners are found by name in
 
 Knobs are `knobs.Knobs` (immutable; k["tcache_cap"][c] reads as the dict
 form does); every function here also takes the dict form
-    {"drain_ms": int, "tcache_cap": [int]*C, "tcache_batch": [int]*C, "warm_slabs": [int]*C}
+    {"drain_ms": int, "retain_mib": int, "tcache_cap": [int]*C, "tcache_batch": [int]*C, "warm_slabs": [int]*C}
 with C = NUM_CLASSES and class 0 (huge objects) always 0.
 """
 from __future__ import annotations
@@ -59,6 +59,7 @@ class Context:
     objective: Objective
     sample_period_s: float = 1.0
     explore: bool = True         # False: measure and remember, never try a new policy
+    retain_mib_max: int = int(K.SPEC["retain_mib"]["max"])
 
     def __post_init__(self):
         object.__setattr__(self, "default", K.Knobs.of(self.default))
@@ -67,14 +68,16 @@ class Context:
     def from_header(cls, program, header, default, objective, sample_period_s=1.0, explore=True):
         return cls(program=program, class_size=tuple(header["class_size"]), cap_max=tuple(header["cap_max"]),
                    warm_max=tuple(header["warm_max"]), batch_max=int(header["batch_max"]),
-                   drain_ms_max=int(header["drain_ms_max"]), default=K.Knobs.of(default),
-                   objective=objective, sample_period_s=sample_period_s, explore=explore)
+                   drain_ms_max=int(header["drain_ms_max"]), retain_mib_max=int(header["retain_mib_max"]),
+                   default=K.Knobs.of(default), objective=objective, sample_period_s=sample_period_s,
+                   explore=explore)
 
     @functools.cached_property
     def bounds(self) -> K.Bounds:
         """The bounds this context holds, as the header publishes them."""
         return K.Bounds.from_header({"cap_max": self.cap_max, "warm_max": self.warm_max,
-                                     "batch_max": self.batch_max, "drain_ms_max": self.drain_ms_max})
+                                     "batch_max": self.batch_max, "drain_ms_max": self.drain_ms_max,
+                                     "retain_mib_max": self.retain_mib_max})
 
     def clamp(self, knobs: Mapping) -> K.Knobs:
         """The nearest policy inside the allocator's bounds (batch <= cap, class 0 zero)."""

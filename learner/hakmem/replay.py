@@ -50,6 +50,7 @@ REPLAYER_ENV = "HAKMEM_REPLAY"
 BUILD_HINT = "build it with `make` in the hakmem checkout (it makes build/hakmem-replay), or set HAKMEM_REPLAY=PATH"
 CAP_FACTORS = (0.25, 1, 2, 4, 16)   # the grid: each hot class's tcache_cap times these
 DRAIN_GRID = (10, 100, 10000)       # ... and drain_ms at these, with the default caps
+RETAIN_GRID = (0, 64)               # ... and retain_mib at these (the freed memory kept)
 MAX_GRID_HOT = 2                    # hot classes with a grid dimension of their own
 HOT_SHARE = 0.05                    # a class with this share of the allocations is hot
 
@@ -464,7 +465,8 @@ def grid(default: dict, facts: TraceFacts) -> list[tuple[str, dict]]:
     hot class's tcache_cap (at most MAX_GRID_HOT classes, each with at least
     HOT_SHARE of the allocations) at CAP_FACTORS times its default, every
     combination, the batch following the allocator's rule (cap/2, at most
-    256); and drain_ms at DRAIN_GRID with the default caps."""
+    256); drain_ms at DRAIN_GRID and retain_mib at RETAIN_GRID with the
+    default caps."""
     hot = facts.hot_classes(most=MAX_GRID_HOT)
     top = cap_max(facts.class_size)
     out = [("default", {})]
@@ -482,6 +484,9 @@ def grid(default: dict, facts: TraceFacts) -> list[tuple[str, dict]]:
     for d in DRAIN_GRID:
         if d != default["drain_ms"]:
             out.append((f"drain_ms={d}", {"drain_ms": d}))
+    for r in RETAIN_GRID:
+        if r != default.get("retain_mib", K.LATER["retain_mib"]):
+            out.append((f"retain_mib={r}", {"retain_mib": r}))
     return out
 
 
@@ -493,8 +498,9 @@ def label_of(knobs: dict, default: dict | None, class_size) -> str:
         return json.dumps(knobs, sort_keys=True)[:60]
     parts = []
     full = dict(default, **knobs)
-    if full.get("drain_ms") != default.get("drain_ms"):
-        parts.append(f"drain_ms={full['drain_ms']}")
+    for n in K.PER_PROCESS:
+        if full.get(n) != default.get(n):
+            parts.append(f"{n}={full[n]}")
     for n in K.PER_CLASS:
         if n == "tcache_batch":
             continue

@@ -371,7 +371,7 @@ class Ring:
 
 
 def parse_assignment(pol, text, header):
-    """Applies one `key=value` to pol. Keys: drain_ms; tcache_cap, tcache_batch,
+    """Applies one `key=value` to pol. Keys: drain_ms, retain_mib; tcache_cap, tcache_batch,
     warm_slabs for every class; knob[N] for class N; knob@SIZE for the class
     serving SIZE bytes. Returns (knob, the classes it set)."""
     if "=" not in text:

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from .config import ConfigError, parse_users, users_names, users_text
+from .knobs import KnobsError
 from .learning import Evaluation, Prior, canonical, digest
 
 SCHEMA_DIR = (pathlib.Path(os.environ["HAKMEM_SCHEMA_DIR"]) if os.environ.get("HAKMEM_SCHEMA_DIR") else
@@ -355,7 +356,7 @@ class Store:
                 "max(coalesce(e.cost_sd, 0)) AS sd FROM evaluations e JOIN policies p ON p.id = e.policy_id "
                 "WHERE e.program_id = ? AND e.objective = ? AND e.windows > 0 GROUP BY p.id",
                 (program_id, objective)):
-            out.append(Prior(knobs=json.loads(r["knobs"]), cost_mean=r["mean"], cost_sd=r["sd"], windows=r["n"]))
+            out.append(Prior(knobs=_knobs(r["knobs"]), cost_mean=r["mean"], cost_sd=r["sd"], windows=r["n"]))
         return out
 
     # ---- retention ------------------------------------------------------------
@@ -545,9 +546,20 @@ def _program(r) -> dict:
     return d
 
 
+def _knobs(text: str):
+    """A row's knobs in the dict form: a row stored before a later knob
+    (retain_mib) gets its default, as the allocator then ran it. A row that
+    is not knobs at all is returned as it is, for its reader to refuse."""
+    raw = json.loads(text)
+    try:
+        return canonical(raw)
+    except (KnobsError, TypeError):
+        return raw
+
+
 def _policy(r) -> dict:
     d = dict(r)
-    d["knobs"] = json.loads(d["knobs"])
+    d["knobs"] = _knobs(d["knobs"])
     d["program"] = program_key(d.pop("exe"), d.pop("build_id"), d["users"])
     d["best"] = bool(d["best"])
     d["pinned"] = bool(d["pinned"])

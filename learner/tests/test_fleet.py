@@ -548,3 +548,18 @@ def test_a_fleet_policy_outside_the_allocators_bounds_is_not_applied(fleet, tmp_
     finally:
         assert b.stop() == 0, b.text()
     assert "fleet_start" not in b.text(), b.text()
+
+
+def test_a_policy_is_one_fleet_row_from_hosts_before_and_after_retain_mib():
+    """The fleet groups verdicts by their knobs (jsonb values): a host of
+    layout 6 pushes no retain_mib, one of layout 7 its default 256 for the
+    same policy. Both push the same value; another retain_mib is another."""
+    from hakmem.knobs import Knobs
+    from hakmem import layout as L
+    n = L.NUM_CLASSES - 1
+    old = {"drain_ms": 1000, "tcache_cap": [0] + [64] * n, "tcache_batch": [0] + [32] * n,
+           "warm_slabs": [0] + [1] * n}
+    new = Knobs(old)
+    assert new.retain_mib == 256
+    assert json.loads(F._wire(new)) == json.loads(F._wire(old)) == old
+    assert json.loads(F._wire(new.replace(retain_mib=64)))["retain_mib"] == 64

@@ -32,7 +32,7 @@ def out_of_range(rng, ring, pol):
     h = ring.header()
     bad = {k: (list(v) if isinstance(v, list) else v) for k, v in pol.items()}
     c = rng.randrange(1, L.NUM_CLASSES)
-    kind = rng.choice(["cap", "batch0", "batch_over_cap", "warm", "drain", "class0", "batch_max"])
+    kind = rng.choice(["cap", "batch0", "batch_over_cap", "warm", "drain", "retain", "class0", "batch_max"])
     if kind == "cap":
         bad["tcache_cap"][c] = h["cap_max"][c] + rng.randrange(1, 1 << 20)
     elif kind == "batch0":
@@ -44,6 +44,8 @@ def out_of_range(rng, ring, pol):
         bad["warm_slabs"][c] = h["warm_max"][c] + rng.randrange(1, 1 << 30)
     elif kind == "drain":
         bad["drain_ms"] = h["drain_ms_max"] + rng.randrange(1, 1 << 31)
+    elif kind == "retain":
+        bad["retain_mib"] = h["retain_mib_max"] + rng.randrange(1, 1 << 31)
     elif kind == "class0":
         bad[rng.choice(L.KNOBS_PER_CLASS)][0] = rng.randrange(1, 100)
     else:   # over batch_max or over the capacity, whichever is lower

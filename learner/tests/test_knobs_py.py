@@ -14,7 +14,7 @@ C = L.NUM_CLASSES
 
 def header():
     return {"cap_max": [0] + [4096] * (C - 2) + [8], "warm_max": [0] + [64] * (C - 1), "batch_max": 1024,
-            "drain_ms_max": 3600000, "class_size": [16 * c for c in range(C)]}
+            "drain_ms_max": 3600000, "retain_mib_max": 65536, "class_size": [16 * c for c in range(C)]}
 
 
 def default():
@@ -30,7 +30,8 @@ def test_names_and_rules_come_from_the_layout():
     assert [default_batch(c) for c in (0, 1, 2, 3, 64, 512, 513, 4096)] == [1, 1, 1, 1, 32, 256, 256, 256]
     assert default_batch(4096, 100) == 100
     b = Bounds.from_header(header())
-    assert b.lo == {"drain_ms": 0, "tcache_cap": 0, "tcache_batch": 1, "warm_slabs": 0}
+    assert b.lo == {"drain_ms": 0, "retain_mib": 0, "tcache_cap": 0, "tcache_batch": 1, "warm_slabs": 0}
+    assert b.hi["retain_mib"] == 65536
     assert b.hi["tcache_batch"] == (1024,) * C and b.hi["drain_ms"] == 3600000
 
 
@@ -62,11 +63,37 @@ def test_knobs_are_immutable_hashable_and_read_like_the_dict_form():
 def test_dict_form_and_digest_are_the_stores_json():
     k = Knobs(default())
     d = k.to_dict()
-    assert d == default() and list(d) == ["drain_ms", "tcache_cap", "tcache_batch", "warm_slabs"]
+    assert d == {**default(), "retain_mib": 256}
+    assert list(d) == ["drain_ms", "retain_mib", "tcache_cap", "tcache_batch", "warm_slabs"]
     d["tcache_cap"][1] = 5          # a copy the caller may change
     assert k.tcache_cap[1] == 64
     import hashlib
+    # retain_mib at its default is left out: the digest a store row of
+    # layout 6 (no retain_mib) was kept under.
     assert k.digest() == hashlib.sha256(json.dumps(default(), separators=(",", ":")).encode()).hexdigest()
+    k0 = k.replace(retain_mib=0)
+    assert k0.digest() == hashlib.sha256(json.dumps(k0.to_dict(), separators=(",", ":")).encode()).hexdigest()
+    assert k0.digest() != k.digest()
+
+
+def test_a_policy_from_before_a_later_knob_means_its_default():
+    """retain_mib came with layout 7: a stored row, an exported file or a
+    protobuf message from before it has no value for it, and means the
+    default (256), never 0 (keep no freed memory)."""
+    from hakmem._pb import hakmem_pb2 as pb
+    from hakmem.knobs import LATER
+    assert LATER == {"retain_mib": 256}
+    old = default()                                   # layout 6's dict form
+    assert Knobs(old).retain_mib == 256 and Knobs(old) == Knobs({**old, "retain_mib": 256})
+    msg = pb.Knobs(drain_ms=old["drain_ms"], tcache_cap=old["tcache_cap"], tcache_batch=old["tcache_batch"],
+                   warm_slabs=old["warm_slabs"])   # written before has_retain_mib existed
+    assert Knobs.from_pb(msg).retain_mib == 256
+    for r in (0, 64, 65536):
+        k = Knobs(old).replace(retain_mib=r)
+        back = pb.Knobs.FromString(k.to_pb().SerializeToString())
+        assert back.has_retain_mib and Knobs.from_pb(back) == k
+    with pytest.raises(KnobsError, match="retain_mib=65537 is outside 0..65536"):
+        Knobs(old).replace(retain_mib=65537).check(Bounds.from_header(header()))
 
 
 def test_protobuf_round_trip():

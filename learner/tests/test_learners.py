@@ -55,7 +55,7 @@ def default_knobs():
                   clampi(MIB // s, 1, 256) if s <= 128 << 10 else 0)
         batch[c] = min(max(cap[c] // 2, 1), 256)
         warm[c] = clampi(MIB // slab_bytes(s), 1, 1024) if s <= 128 << 10 else 0
-    return {"drain_ms": 1000, "tcache_cap": cap, "tcache_batch": batch, "warm_slabs": warm}
+    return {"drain_ms": 1000, "retain_mib": 256, "tcache_cap": cap, "tcache_batch": batch, "warm_slabs": warm}
 
 
 LIB_TABLES = r"""
@@ -65,11 +65,12 @@ lib.hk_class_size.restype, lib.hk_class_size.argtypes = ctypes.c_size_t, [ctypes
 lib.hk_size_class.restype, lib.hk_size_class.argtypes = ctypes.c_uint, [ctypes.c_size_t]
 class Bounds(ctypes.Structure):
     _fields_ = [(f, ctypes.c_uint32) for f in
-                "cap_min cap_max batch_min batch_max warm_min warm_max drain_ms_min drain_ms_max".split()]
+                "cap_min cap_max batch_min batch_max warm_min warm_max drain_ms_min drain_ms_max "
+                "retain_mib_min retain_mib_max".split()]
 class Policy(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint64), ("tcache_cap", ctypes.c_uint32 * n),
                 ("tcache_batch", ctypes.c_uint32 * n), ("warm_slabs", ctypes.c_uint32 * n),
-                ("drain_ms", ctypes.c_uint32)]
+                ("drain_ms", ctypes.c_uint32), ("retain_mib", ctypes.c_uint32)]
 p = Policy()
 lib.hk_policy_get(ctypes.byref(p))
 bounds = []
@@ -80,7 +81,7 @@ for c in range(n):
 sizes = [lib.hk_class_size(c) for c in range(n)]
 print(json.dumps({"class_size": sizes, "bounds": bounds,
                   "size_class": [[lib.hk_size_class(s), lib.hk_size_class(s + 1)] for s in sizes[1:]],
-                  "policy": {"drain_ms": p.drain_ms, "tcache_cap": list(p.tcache_cap),
+                  "policy": {"drain_ms": p.drain_ms, "retain_mib": p.retain_mib, "tcache_cap": list(p.tcache_cap),
                              "tcache_batch": list(p.tcache_batch), "warm_slabs": list(p.warm_slabs)}}))
 """
 
@@ -106,9 +107,10 @@ def test_the_simulators_class_table_is_the_allocators():
     ctx = make_ctx()
     for c in range(1, C):
         b = lib["bounds"][c]
-        assert (b["cap_max"], b["warm_max"], b["batch_max"], b["drain_ms_max"]) == \
-            (ctx.cap_max[c], ctx.warm_max[c], ctx.batch_max, ctx.drain_ms_max), (c, SIZES[c], b)
-        assert (b["cap_min"], b["batch_min"], b["warm_min"], b["drain_ms_min"]) == (0, 1, 0, 0), (c, b)
+        assert (b["cap_max"], b["warm_max"], b["batch_max"], b["drain_ms_max"], b["retain_mib_max"]) == \
+            (ctx.cap_max[c], ctx.warm_max[c], ctx.batch_max, ctx.drain_ms_max, ctx.retain_mib_max), (c, SIZES[c], b)
+        assert (b["cap_min"], b["batch_min"], b["warm_min"], b["drain_ms_min"], b["retain_mib_min"]) == \
+            (0, 1, 0, 0, 0), (c, b)
 
 
 def make_ctx(explore=True, objective=None):
@@ -301,11 +303,11 @@ def test_policy_space_dimensions_round_trip_and_bounds():
     sp = PolicySpace(ctx, ctx.default, [sim.window(i, ctx.default, ctx.default) for i in range(3)])
     assert sp.hot[0] == CLS[512]
     assert len(sp.hot) <= 3
-    assert sp.names[:2] == ["cap@512B", "warm@512B"] and sp.names[-2:] == ["cap@rest", "drain"]
+    assert sp.names[:2] == ["cap@512B", "warm@512B"] and sp.names[-3:] == ["cap@rest", "drain", "retain"]
     lo, hi = sp.bounds
     assert lo.shape == hi.shape == (sp.ndim,) and np.all(lo <= hi)
     x0 = sp.from_knobs(ctx.default)
-    assert np.allclose(x0[:2], 0) and x0[-2] == 0 and x0[-1] == 0      # defaults are the origin
+    assert np.allclose(x0[:2], 0) and x0[-3] == 0 and x0[-2] == 0 and x0[-1] == 0   # defaults are the origin
     assert same(sp.to_knobs(x0), ctx.default)
     # A custom batch and a "never" drain survive when their dimensions do not move.
     odd = canonical(ctx.default)
@@ -326,13 +328,23 @@ def test_policy_space_dimensions_round_trip_and_bounds():
     k = sp.to_knobs(x)
     assert k["tcache_cap"][CLS[64]] == ctx.default["tcache_cap"][CLS[64]] // 2
     assert k["tcache_cap"][h] == ctx.default["tcache_cap"][h]
+    # retain: its bottom keeps no freed memory, its top 1024 MiB; a step of
+    # -2 a quarter of the default's (+1 each, so that 0 is in the space).
+    ir = sp.names.index("retain")
+    for xr, want in ((lo[ir], 0), (hi[ir], 1024), (-2.0, 63)):
+        x = x0.copy()
+        x[ir] = xr
+        k = sp.to_knobs(x)
+        assert k["retain_mib"] == want and k["tcache_cap"] == ctx.default["tcache_cap"]
+        assert np.isclose(sp.from_knobs(k)[ir], xr, atol=0.02)
+    assert sp.describe(sp.to_knobs(x), ctx.default) == ["retain 256->63 MiB"]
     # Anywhere in (and beyond) the box: a valid policy, drain within 10..60000 ms.
     rng = np.random.default_rng(0)
     for _ in range(200):
         x = rng.uniform(lo - 3, hi + 3)
         k = sp.to_knobs(x)
         assert_in_bounds(ctx, k)
-        assert 10 <= k["drain_ms"] <= 60000
+        assert 10 <= k["drain_ms"] <= 60000 and 0 <= k["retain_mib"] <= 1024
         assert np.all(sp.from_knobs(k) >= lo - 1e-9) and np.all(sp.from_knobs(k) <= hi + 1e-9)
 
 

@@ -99,11 +99,13 @@ def test_pareto_front_and_grid():
             for c in diff:
                 assert k["tcache_batch"][c] == min(256, k["tcache_cap"][c] // 2)
         else:
-            assert set(k) == {"drain_ms"}
+            assert set(k) in ({"drain_ms"}, {"retain_mib"}), label
     assert changed == {CLS64, 1}
     assert len({R.knobs_hash(k) for _, k in g}) == len(g)
-    # 1/4, 2 and 4 times (16x is over 4096 for both), each with the other class at 1x or any: 4*4-1 = 15 ...
-    assert len(g) == 1 + 15 + 3, [x[0] for x in g]
+    # 1/4, 2 and 4 times (16x is over 4096 for both), each with the other class at 1x or any: 4*4-1 = 15,
+    # then three drain intervals and two retain_mib (0 and 64; a default without one is 256's)
+    assert len(g) == 1 + 15 + 3 + 2, [x[0] for x in g]
+    assert [lb for lb, _ in g[-2:]] == ["retain_mib=0", "retain_mib=64"]
 
 
 # ---- command line and bad input --------------------------------------------------------
@@ -239,8 +241,8 @@ def test_grid_sweep_beats_the_default_stores_every_result_and_resumes(trace, tmp
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     n = len(out["results"])
-    # The default; the one hot class's cap x1/4, x2, x4 (x16 is over the max); 3 drains.
-    assert n == 7, [x["label"] for x in out["results"]]
+    # The default; the one hot class's cap x1/4, x2, x4 (x16 is over the max); 3 drains; 2 retains.
+    assert n == 9, [x["label"] for x in out["results"]]
     assert out["trace"]["hot_classes"] == [CLS64]
     assert out["replayed"] == n            # each policy once, the default included
     best, default = out["best"], out["default"]
@@ -285,13 +287,13 @@ def test_ctrl_c_keeps_what_is_stored_and_a_rerun_finishes(tmp_path):
     assert p.returncode == 130, (p.returncode, err)
     assert "interrupted" in err and "run the same command again" in err, err
     kept = db_rows(db, "SELECT count(*) FROM replay_runs")[0][0]
-    assert 1 <= kept < 7
+    assert 1 <= kept < 9
     assert db_rows(db, "PRAGMA integrity_check") == [("ok",)]
     r = hk("replay", big, "--sweep", "--repeat", "30", "--jobs", "2", "--json", "--db", db,
            timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["replayed"] == 7 - kept and len(out["results"]) == 7
+    assert out["replayed"] == 9 - kept and len(out["results"]) == 9
 
 
 def test_learner_sweep_is_the_learners_own_search(trace, tmp_path):

@@ -1110,3 +1110,45 @@ def test_a_program_that_stays_busy_holds_the_replays_at_most_half_the_time():
         assert not gate.closed, "the program is gone: the gate opens"
     finally:
         gate.close()
+
+
+def test_under_a_memory_budget_a_replay_is_priced_by_the_memory_it_changes(tmp_path, monkeypatch):
+    """A replay of a second of sqlite3's shell holds tens of MiB, never its
+    160 MiB budget: priced as they were, every policy's memory was free
+    and the default (more memory, fewer faults) ranked first while the
+    program held 243 MiB. Under a budget the replay's memory is the traced
+    process's RSS moved by what the policy changes against the default's
+    replay; under a price it is the replay's own (linear: the same order)."""
+    import types
+    import hakmem.replay as R
+    import hakmem.screen as S
+    from hakmem.objective import Objective, Prices
+    ctx = make_ctx()
+    trace = _fake_trace(tmp_path, ctx, monkeypatch, 1.0)
+    monkeypatch.setattr(S, "STAGGER_S", 0.0)
+    monkeypatch.setattr(S, "_mem_available", lambda: 24 << 30)
+    lean = ctx.clamp(ctx.default.replace(retain_mib=64))
+    pol = [("default", ctx.default), ("retain=64", lean)]
+    monkeypatch.setattr(S, "policies", lambda ctx, hot: pol)
+
+    def replay(path, knobs, **kw):     # retain=64: 30 MiB less held, four times the faults
+        r64 = knobs["retain_mib"] == 64
+        return {"runs": [{"counters": {"slow_ns": 1e6}, "minflt": 40000 if r64 else 10000, "os_calls": 10,
+                          "cpu_s": 0.1, "wall_s": 1.0, "mean_rss_bytes": (30 if r64 else 60) << 20}], "policy": {}}
+    monkeypatch.setattr(R, "run_replayer", replay)
+
+    def ranked(objective, rss_mib):
+        s = Screen(ctx, "/nonexistent", objective, Prices(fault_s=1.5e-6, syscall_s=1e-6), jobs=4)
+        s.trace_fd, s.uid, s.gate = os.open(trace, os.O_RDONLY), os.geteuid(), None
+        s.rss_bytes = float(rss_mib << 20)
+        return [(r.label, r.cost) for r in s._replay_all()]
+
+    budget = Objective(budget_bytes=160 << 20)
+    over = ranked(budget, 243)
+    assert [lb for lb, _ in over] == ["retain=64", "default"], over
+    # 243 MiB is 52% over: 5.2 cores; 213 MiB, 33%: 3.3, and the faults' 0.045
+    assert dict(over)["default"] == pytest.approx(10.0 * (243 / 160 - 1) + 0.001 + 10000 * 1.5e-6 + 10e-6, rel=1e-3)
+    under = ranked(budget, 100)                    # under the budget either way: time alone
+    assert [lb for lb, _ in under] == ["default", "retain=64"], under
+    priced = ranked(Objective(lam=0.5), 243)       # 30 MiB at 0.5/GiB is 0.015, the faults 0.045
+    assert [lb for lb, _ in priced] == ["default", "retain=64"], priced

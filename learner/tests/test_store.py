@@ -513,3 +513,24 @@ def test_screened_says_whether_a_screening_ranked_the_program_under_the_objectiv
     assert not s.screened(a, "time + 2/GiB"), "another objective ranks the policies otherwise"
     assert not s.screened(b, OBJECTIVE)
     s.close()
+
+
+def test_a_policy_stored_before_retain_mib_is_the_same_policy_with_its_default(store):
+    """A learnd of layout 6 stored its knobs without retain_mib. That row
+    reads back with retain_mib 256 (the allocator's behaviour then), keeps
+    its identity (the same knobs are found, not stored again), and a policy
+    with another retain_mib is another row."""
+    s = store
+    prog = s.program(EXE, BUILD, "0", SIZES)
+    old = {k: v for k, v in knobs(drain=250).items() if k != "retain_mib"}
+    pid = s.policy(prog, knobs(drain=250), "learned")
+    s.db.execute("UPDATE policies SET knobs = ? WHERE id = ?", (json.dumps(old, separators=(",", ":")), pid))
+    s.db.commit()
+    _evaluate(s, prog, pid, knobs(drain=250), 0.5)
+    row = s.policy_by_id(pid)
+    assert row["knobs"]["retain_mib"] == 256 and row["knobs"] == knobs(drain=250)
+    assert s.policy(prog, old, "learned") == pid == s.policy(prog, knobs(drain=250), "learned")
+    assert [p.knobs for p in s.priors(prog, OBJECTIVE)] == [knobs(drain=250)]
+    low = dict(knobs(drain=250), retain_mib=0)
+    other = s.policy(prog, low, "learned")
+    assert other != pid and s.policy_by_id(other)["knobs"]["retain_mib"] == 0

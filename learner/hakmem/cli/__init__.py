@@ -103,7 +103,7 @@ def _add_learnd_commands(sub):
     pi = ps.add_parser("pin", parents=[common], help="make hakmem-learnd apply one policy and stop exploring",
                        description="Pins a stored VERSION, or new knobs: --set starts from the program's pinned "
                                    "(else best, else default) policy. Keys as in `hakmem ring set-policy`: "
-                                   "drain_ms=MS; tcache_cap, tcache_batch, warm_slabs as KNOB=N (every class), "
+                                   "drain_ms=MS, retain_mib=MIB; tcache_cap, tcache_batch, warm_slabs as KNOB=N (every class), "
                                    "KNOB[CLASS]=N, or KNOB@SIZE=N.")
     pi.add_argument("program", metavar="PROGRAM", help=prog_help)
     pi.add_argument("version", nargs="?", type=_version_arg, metavar="VERSION")
@@ -229,8 +229,9 @@ def _add_replay_commands(sub):
                     "hakmem replay TRACE --sweep [grid|learner]\n"
                     "    grid: the default; each hot class's tcache_cap (the <= 2 classes with >= 5% of\n"
                     "    the allocations) at 1/4, 1, 2, 4 and 16 times its default, every combination; and\n"
-                    "    drain_ms at 10, 100, 10000. learner: the GP learner's own search, each replay's\n"
-                    "    runs its windows (--budget policies). Replays run --jobs at a time; each result\n"
+                    "    drain_ms at 10, 100, 10000; retain_mib at 0 and 64. learner: the GP learner's\n"
+                    "    own search, each replay's runs its windows (--budget policies). Replays run\n"
+                    "    --jobs at a time; each result\n"
                     "    is stored in the database (table replay_runs) as it completes, keyed by the\n"
                     "    trace's content and the policy, so a rerun after Ctrl-C skips what is stored.\n"
                     "    --png draws time cost against peak RSS with the Pareto front; --promote makes\n"
@@ -289,7 +290,7 @@ def build_parser():
     d.set_defaults(func=("ring", "cmd_dump"))
 
     s = rs.add_parser("set-policy", help="publish a policy snapshot (starting from the one in force)",
-                      description="Keys: drain_ms=MS; tcache_cap, tcache_batch, warm_slabs as KNOB=N "
+                      description="Keys: drain_ms=MS, retain_mib=MIB; tcache_cap, tcache_batch, warm_slabs as KNOB=N "
                                   "(every class), KNOB[CLASS]=N, or KNOB@SIZE=N (the class serving SIZE bytes).")
     s.add_argument("target", metavar="FILE|PID")
     s.add_argument("assignments", nargs="+", metavar="key=value")

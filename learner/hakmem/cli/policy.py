@@ -82,10 +82,11 @@ def cmd_policy_show(args):
     print(f"cost {_objective(p)}; created {_when(p.created)}")
     if p.note:
         print(f"note: {p.note}")
-    drain = f"drain_ms {k['drain_ms']}"
-    if base and base["drain_ms"] != k["drain_ms"]:
-        drain += f" (default v{default.version}: {base['drain_ms']})"
-    print(drain)
+    for n in K.PER_PROCESS:
+        line = f"{n} {k[n]}"
+        if base and base[n] != k[n]:
+            line += f" (default v{default.version}: {base[n]})"
+        print(line)
     rows = _knob_rows(k, base, list(prog.class_size), args.all)
     if default is None:
         print("(no default policy stored for this program: every class shown)")
@@ -110,8 +111,9 @@ def cmd_policy_diff(args):
     ka, kc = knobs_from_pb(a.knobs), knobs_from_pb(c.knobs)
     sizes = list(prog.class_size)
     changes = []
-    if ka["drain_ms"] != kc["drain_ms"]:
-        changes.append({"knob": "drain_ms", "class": None, "size": None, "old": ka["drain_ms"], "new": kc["drain_ms"]})
+    for n in K.PER_PROCESS:
+        if ka[n] != kc[n]:
+            changes.append({"knob": n, "class": None, "size": None, "old": ka[n], "new": kc[n]})
     for cl in range(L.NUM_CLASSES):
         for n in L.KNOBS_PER_CLASS:
             if ka[n][cl] != kc[n][cl]:
@@ -129,7 +131,7 @@ def cmd_policy_diff(args):
     line, cur = [], None
     for ch in changes:
         if ch["class"] is None:
-            print(f"drain_ms {ch['old']} -> {ch['new']}")
+            print(f"{ch['knob']} {ch['old']} -> {ch['new']}")
             continue
         if ch["class"] != cur:
             if line:

@@ -726,6 +726,14 @@ class GPLearner(Reporting):
         # What parked blocks cost under the objective (nothing under a memory
         # budget not yet reached), as a share of the cost: not their bytes.
         mem_share = self.ctx.objective.mem_cost(rss) / rss * cached / cost
+        # Memory committed and in no block nor cache: freed pages and cached
+        # huge mappings kept for reuse (retain_mib), warm slabs, the free
+        # space of slabs in use; and the pages the program's own threads gave
+        # back, which it faults in again when it reuses them.
+        kept = max(0.0, float(np.mean([w.committed_bytes for w in ws]))
+                   - float(_mean_windows(ws, "live_bytes").sum()) - float(cached.sum()))
+        kept_share = self.ctx.objective.mem_cost(rss) / rss * kept / cost
+        returned = float(np.mean([w.returned_bytes for w in ws]))
         out: dict[tuple[int, int], tuple[float, str]] = {}
         for i, (kind, c) in enumerate(sp.dims):
             if kind == "cap":
@@ -750,6 +758,13 @@ class GPLearner(Reporting):
                     out[(i, 1)] = (1.0, f"other classes refill {_rate(rr)}/s")
                 elif rr < 50 and mem_share[rest].sum() > 0.05:
                     out[(i, -1)] = (0.5, f"other classes hold {format_size(cached[rest].sum())}")
+            elif kind == "retain":
+                if returned > (1 << 20):
+                    s = 1 + min(2.0, math.log10(returned / (1 << 20)))
+                    out[(i, 1)] = (s, f"the program gives back {format_size(returned)}/s")
+                    out[(i, -1)] = (-s, "")
+                elif kept_share > 0.02:
+                    out[(i, -1)] = (0.5 + min(1.0, 10 * kept_share), f"{format_size(kept)} committed in no block")
         return out
 
     def _candidates(self) -> list[_Cand]:

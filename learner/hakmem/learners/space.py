@@ -15,6 +15,7 @@ from .base import _churn
 
 DRAIN_MIN_MS = 10            # the drain intervals the search tries
 DRAIN_MAX_MS = 60000
+RETAIN_MAX_MIB = 1024        # the most freed memory kept that the search tries (0 is its least)
 
 
 def batch_for(cap: int, batch_max: int) -> int:
@@ -23,12 +24,12 @@ def batch_for(cap: int, batch_max: int) -> int:
 
 
 class PolicySpace:
-    """A few log2 dimensions standing for the full knobs (61 classes x 3 + drain).
+    """A few log2 dimensions standing for the full knobs (61 classes x 3, drain, retain).
 
     Per hot class: log2(cap/base_cap) and log2((warm+1)/(base_warm+1)), bases
     being the allocator's defaults, so 0 is the default and 1 doubles it. Then
-    one log2 multiplier on the anchor's caps of every other class, and
-    log2(drain_ms/1000). Values a dimension does not move stay exactly the
+    one log2 multiplier on the anchor's caps of every other class,
+    log2(drain_ms/1000), and log2((retain_mib+1)/(its default+1)). Values a dimension does not move stay exactly the
     anchor's (the incumbent the space was built around), so to_knobs of
     from_knobs(anchor) is the anchor itself, custom batches and all."""
 
@@ -43,7 +44,8 @@ class PolicySpace:
         self.dims: list[tuple[str, int | None]] = []
         for c in self.hot:
             self.dims += [("cap", c), ("warm", c)]
-        self.dims += [("rest", None), ("drain", None)]
+        self.base_retain = int(d["retain_mib"])
+        self.dims += [("rest", None), ("drain", None), ("retain", None)]
         self.names = [self._name(k, c) for k, c in self.dims]
         lo, hi = [], []
         for k, c in self.dims:
@@ -58,6 +60,10 @@ class PolicySpace:
             elif k == "rest":
                 lo.append(-4.0)
                 hi.append(3.0)
+            elif k == "retain":
+                b = self.base_retain + 1
+                lo.append(math.log2(1.0 / b))
+                hi.append(math.log2((min(RETAIN_MAX_MIB, max(ctx.retain_mib_max, 0)) + 1) / b))
             else:
                 top = min(DRAIN_MAX_MS, max(ctx.drain_ms_max, DRAIN_MIN_MS))
                 lo.append(math.log2(DRAIN_MIN_MS / 1000))
@@ -88,7 +94,7 @@ class PolicySpace:
     def _name(self, kind: str, c: int | None) -> str:
         if kind in ("cap", "warm"):
             return f"{kind}@{self.ctx.class_size[c]}B"
-        return "cap@rest" if kind == "rest" else "drain"
+        return {"rest": "cap@rest", "drain": "drain", "retain": "retain"}[kind]
 
     @property
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
@@ -113,6 +119,8 @@ class PolicySpace:
                 r = [math.log2(k["tcache_cap"][c] / self.anchor["tcache_cap"][c]) for c in self.rest_classes()
                      if self.anchor["tcache_cap"][c] > 0 and k["tcache_cap"][c] > 0]
                 x.append(float(np.median(r)) if r else 0.0)
+            elif kind == "retain":
+                x.append(math.log2((k["retain_mib"] + 1) / (self.base_retain + 1)))
             else:
                 # 0 (never) is longer than any interval in the space: its top.
                 x.append(math.log2(k["drain_ms"] / 1000) if k["drain_ms"] > 0 else math.inf)
@@ -137,6 +145,9 @@ class PolicySpace:
                     a = self.anchor["tcache_cap"][c2]
                     if a > 0:
                         self._set_cap(k, c2, int(min(max(round(a * m), 1), ctx.cap_max[c2])))
+            elif kind == "retain":
+                r = round((self.base_retain + 1) * 2.0 ** x[i] - 1)
+                k["retain_mib"] = int(min(max(r, 0), ctx.retain_mib_max))
             else:
                 top = min(DRAIN_MAX_MS, ctx.drain_ms_max)
                 k["drain_ms"] = int(min(max(round(1000 * 2.0 ** x[i]), DRAIN_MIN_MS), top))
@@ -163,5 +174,7 @@ class PolicySpace:
                     out.append(f"cap@rest x{float(np.median(r)):.3g}")
             elif kind == "drain" and knobs["drain_ms"] != before["drain_ms"]:
                 out.append(f"drain {before['drain_ms']}->{knobs['drain_ms']} ms")
+            elif kind == "retain" and knobs["retain_mib"] != before["retain_mib"]:
+                out.append(f"retain {before['retain_mib']}->{knobs['retain_mib']} MiB")
         return out
 

@@ -43,6 +43,9 @@ peak. The objective is bench/learn.py's, with the same price of memory:
 
 X = units per CPU-second, D_ref = the default run's units per busy second
 (so D_ref / X is the cores the default's work needs at this run's speed).
+With --objective budget=SIZE (learnd is given the same), memory is not
+priced but bounded: J = D_ref / X while the mean PSS is under SIZE, plus
+10 cores per 100% over it (learnd's own objective, objective.py).
 
   room     static policies (the HAKMEM_* variables, so every process of the
            program, short-lived ones too, starts under the policy) against
@@ -92,6 +95,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "learner"))
 sys.path.insert(0, str(ROOT / "tools"))
+from hakmem.objective import Objective, ObjectiveError  # noqa: E402
 from hakmem.procfs import proc_descendants  # noqa: E402  one reader of /proc for learnd and the tools
 from tune_pg import pss_kib  # noqa: E402  the same PSS reading as tools/tune_pg.py and bench/services.py
 BUILD = ROOT / os.environ.get("BUILD", "build")
@@ -102,6 +106,10 @@ HAKMEM_CLI = [str(VENV_BIN / "hakmem")]
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 GIB = float(1 << 30)
 LAMBDA = 0.5            # bench/learn.py's price of memory: a GiB resident costs half a core
+# The objective of J and of learnd (--objective): λ = LAMBDA by default, or a
+# memory budget, J then D_ref / X while the mean PSS is under it and growing
+# steeply past it (objective.OVER_BUDGET cores per 100% over), as learnd's.
+OBJECTIVE = f"lambda={LAMBDA}"
 SAMPLE_S = 0.1
 
 # Static policies as HAKMEM_* variables: each applies to every class,
@@ -122,6 +130,10 @@ POINTS = {
     "drain=10000": {"HAKMEM_DRAIN_MS": 10000},
     "cap=4 warm=0": {"HAKMEM_TCACHE_CAP": 4, "HAKMEM_WARM_SLABS": 0},
     "cap=max warm=max": {"HAKMEM_TCACHE_CAP": 4096, "HAKMEM_WARM_SLABS": 1024},
+    "retain=0": {"HAKMEM_RETAIN_MIB": 0},
+    "retain=16": {"HAKMEM_RETAIN_MIB": 16},
+    "retain=64": {"HAKMEM_RETAIN_MIB": 64},
+    "retain=128": {"HAKMEM_RETAIN_MIB": 128},
 }
 # --watched: who watches the default (None: only the lease, held by
 # `hakmem ring hold`; else learnd's extra flags and environment).
@@ -130,7 +142,8 @@ WATCHERS = {
     "watch-static": (("--learner", "static"), {"HAKMEM_BPF": "off"}),
     "watch-static-bpf": (("--learner", "static"), {}),
 }
-ROOM_POINTS = ("default", "cap=max warm=max", "cap=4", "warm=0", "drain=100", "drain=10000", "cap=4 warm=0")
+ROOM_POINTS = ("default", "cap=max warm=max", "cap=4", "warm=0", "drain=100", "drain=10000", "cap=4 warm=0",
+               "retain=64", "retain=0")
 
 
 class RunError(Exception):
@@ -904,7 +917,7 @@ class Study:
     def _beside_learnd(self, prog: Program, tag: str, state: Path, shm: Path, extra=(), env=None) -> dict:
         state.mkdir(mode=0o700, exist_ok=True)
         try:
-            d = Learnd(state, state / "learn.db", shm, f"lambda={LAMBDA}", extra, env)
+            d = Learnd(state, state / "learn.db", shm, OBJECTIVE, extra, env)
         except RunError as e:
             return {"config": tag, "error": str(e)}
         try:
@@ -940,7 +953,7 @@ class Study:
     def main(self) -> dict:
         out = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "commit": git_rev(), "seconds": self.a.seconds, "rounds": self.a.rounds, "small": self.a.small,
-               "lambda": LAMBDA, "library": str(LIB), "programs": {}}
+               "lambda": LAMBDA, "objective": OBJECTIVE, "library": str(LIB), "programs": {}}
         try:
             for name in self.a.only:
                 out["programs"][name] = self.program(name)
@@ -975,7 +988,7 @@ def summarise(res: dict) -> None:
     d_ref = statistics.median(r["throughput"] for r in defaults)
     res["d_ref"] = d_ref
     for r in ok:
-        r["j"] = d_ref / r["units_per_cpu_s"] + LAMBDA * r["pss_mean_mib"] / 1024
+        r["j"] = Objective.parse(OBJECTIVE).cost(d_ref / r["units_per_cpu_s"], r["pss_mean_mib"] * (1 << 20))
     # Cycle k's answer must be the same in every run that did k cycles (the
     # longest run's answers are the reference; runs do different numbers).
     ref = max((r["answers"] for r in res["runs"] if "error" not in r), key=len, default=[])
@@ -1010,7 +1023,8 @@ def markdown(out: dict) -> str:
         return f"{s['median']:.4g} ({s['lo']:.4g}–{s['hi']:.4g})"
 
     lines = [f"Real programs, {out['when']}, hakmem {out['commit']}, {out['rounds']} interleaved rounds of "
-             f"≥ {out['seconds']:g} s per run{' (small data)' if out['small'] else ''}; λ = {out['lambda']}. "
+             f"≥ {out['seconds']:g} s per run{' (small data)' if out['small'] else ''}; "
+             f"{Objective.parse(out.get('objective') or f'lambda={LAMBDA}').describe().replace('time', 'J: D_ref/X')}. "
              "J: medians (ranges); room: 1 − best static ÷ default; beyond noise: the ranges do not overlap.", "",
              "| program | default J | best static | its J | room | beyond noise | its throughput ÷ default | "
              "its mean PSS ÷ default | learnd cold ÷ default | learnd warm ÷ default | same answers |",
@@ -1063,6 +1077,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="also run the default watched: " + ", ".join(WATCHERS) + " (the price of watching)")
     ap.add_argument("--lib", action="append", default=[], metavar="NAME=PATH",
                     help="another build of hakmem as one more configuration, lib:NAME (e.g. base=/tmp/old/libhakmem.so)")
+    ap.add_argument("--objective", default=OBJECTIVE,
+                    help="J's and learnd's objective: lambda=L (a GiB of mean PSS costs L cores) or budget=SIZE "
+                         "(the default's demand alone while the mean PSS is under SIZE; default %(default)s)")
     ap.add_argument("--small", action="store_true", help="small data and short idles: the check CI runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for learn_real.json/.md")
     ap.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -1084,11 +1101,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.libs[n] = str(Path(path).resolve())
     if a.rounds < 1 or a.seconds < 0:
         ap.error("--rounds must be ≥ 1 and --seconds ≥ 0")
+    try:
+        Objective.parse(a.objective)
+    except ObjectiveError as e:
+        ap.error(f"--objective: {e}")
     return a
 
 
 def main(argv: list[str]) -> int:
+    global OBJECTIVE
     a = parse_args(argv)
+    OBJECTIVE = a.objective
     if not LIB.exists():
         print(f"learn-real: {LIB} is missing: run make first", file=sys.stderr)
         return 1

@@ -43,6 +43,11 @@ def test_policies_are_distinct_in_bounds_and_reach_the_corners():
     assert k["tcache_cap"][CLS[64]] == min(4 * ctx.default["tcache_cap"][CLS[64]], ctx.cap_max[CLS[64]])
     assert [c for c in range(len(ctx.class_size)) if k["tcache_cap"][c] != ctx.default["tcache_cap"][c]] == [CLS[64]]
     assert "cap[512B]x16" in by and "cap=4 warm=max" in by and "drain=100ms" in by
+    # 64 MiB of freed memory kept, and nothing else moved.
+    assert by["retain=64"] == ctx.default.replace(retain_mib=64)
+    # An intermittent program's replays, at most 9 at once on each of the 2
+    # CPUs it gets here, still run in two rounds.
+    assert len(pols) <= 18
 
 
 def test_gp_waits_for_the_screen_then_confirms_its_best_online_and_settles():

@@ -68,7 +68,8 @@ def _print_dump(s, show_all):
     pol = s["policy"]
     rej = f"{pol['rejected']} rejected" + (f" (last: {pol['last_reject_reason']})" if pol["rejected"] else "")
     print(f"policy: v{pol['in_force']['version']} in force; snapshot {pol['applied_snapshot']} applied, "
-          f"{pol['published_snapshot']} published; {rej}; drain {pol['in_force']['drain_ms']} ms")
+          f"{pol['published_snapshot']} published; {rej}; drain {pol['in_force']['drain_ms']} ms, "
+          f"retain {pol['in_force']['retain_mib']} MiB")
     if s["totals"] is None:
         print(f"ring: no record yet (one is written every {s['epoch_ms']} ms from the allocator's slow path)")
         return

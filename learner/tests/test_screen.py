@@ -12,7 +12,7 @@ from hakmem.capture import CaptureError
 from hakmem.learners import GPLearner
 from hakmem.learning import same
 from hakmem.screen import Ranked, Screen, policies
-from test_learners import CLS, Sim, assert_in_bounds, drive, make_ctx, with_hot
+from test_learners import CLS, MIB, Sim, assert_in_bounds, drive, make_ctx, with_hot
 
 
 def ranked(sim, pols, noise=0.0):
@@ -1157,3 +1157,42 @@ def test_under_a_memory_budget_a_replay_is_priced_by_the_memory_it_changes(tmp_p
     assert [lb for lb, _ in under] == ["default", "retain=64"], under
     priced = ranked(Objective(lam=0.5), 243)       # 30 MiB at 0.5/GiB is 0.015, the faults 0.045
     assert [lb for lb, _ in priced] == ["default", "retain=64"], priced
+
+
+def test_under_a_budget_a_confirmed_candidate_still_over_it_searches_on():
+    """The replay ranks first a policy that halves the program's excess
+    over its budget; confirmed, it leaves the program over (sqlite3's shell
+    under 160 MiB: 157-177 MiB under cap=4 warm=0, settled there). The
+    search goes on from it instead of settling; a confirmed candidate under
+    the budget still settles (and under a price, as ever)."""
+    from hakmem.objective import Objective
+    from hakmem.screen import Ranked
+    ctx = make_ctx(objective=Objective(budget_bytes=int(34.2 * MIB)))
+    sim = Sim(ctx)
+    lean = dict(policies(ctx, [CLS[512]]))["warm=0"]
+    assert sim.truth(ctx.default)["rss"] > sim.truth(lean)["rss"] > ctx.objective.budget_bytes
+    assert sim.truth(lean)["cost"] < sim.truth(ctx.default)["cost"] / 1.5
+
+    def run(ctx, sim):
+        lrn = GPLearner(seed=0, tie_margin=0.03)
+
+        def before(i):
+            if i == 0:
+                lrn.screening()
+            if i == 8:
+                lrn.screened([Ranked("warm=0", lean, sim.truth(lean)["cost"], 0.01, 0.0, 0.0),
+                              Ranked("default", ctx.default, sim.truth(ctx.default)["cost"], 0.01, 0.0, 0.0)])
+        decisions, _, _ = drive(lrn, sim, ctx, 60, before_window=before)
+        return lrn, [d for _, d in decisions if d.kind != "ab"]
+
+    lrn, verdicts = run(ctx, sim)
+    accept = next(d for d in verdicts if d.kind == "accept")
+    assert same(accept.knobs, lean) and "still over the budget" in accept.reason, verdicts
+    after = verdicts[verdicts.index(accept) + 1:]
+    assert after and after[0].kind == "explore" and "screened" not in after[0].reason, verdicts
+    # With the budget above what the candidate holds, the same confirmation settles, as before.
+    roomy = make_ctx(objective=Objective(budget_bytes=int(34.4 * MIB)))
+    assert sim.truth(ctx.default)["rss"] > roomy.objective.budget_bytes > sim.truth(lean)["rss"]
+    lrn, verdicts = run(roomy, Sim(roomy))
+    accept = next(d for d in verdicts if d.kind == "accept")
+    assert "settled" in accept.reason and lrn.state() == "settled", verdicts

@@ -605,6 +605,16 @@ class GPLearner(Reporting):
                                                        f"other candidate{'s' if len(ties) != 1 else ''} from it: trying "
                                                        f"{'them' if len(ties) != 1 else 'it'} too", self._take())
                 self._screen = "done"
+                over = self._over_budget(t)
+                if over:
+                    # A budget's price is steep but blind past the budget: a
+                    # candidate that halves the excess wins its trial and
+                    # still leaves the program over (sqlite3's shell under
+                    # 160 MiB settled at 157-177 MiB under cap=4 warm=0).
+                    # The search goes on from it, as a blind one would.
+                    self._phase = Phase.SEARCH
+                    return Decision(t.knobs, "accept", f"accept: {change}; the replay's best confirmed, still "
+                                                       f"over the budget ({over}): searching on", self._take())
                 self._settle()
                 return Decision(t.knobs, "accept", f"accept: {change}; the replay's best confirmed, settled",
                                 self._take())
@@ -635,6 +645,14 @@ class GPLearner(Reporting):
 
     def _settle(self) -> None:
         self._phase = Phase.SETTLED
+
+    def _over_budget(self, run) -> str:
+        """Under a memory budget, whether run's windows paid for memory (they
+        were over it, on average): what they paid, for a person; else ""."""
+        if not getattr(self.ctx.objective, "budget_bytes", None) or not run.n:
+            return ""
+        mem = float(np.mean(run.mem))
+        return f"memory {mem:.3g} of a cost of {run.mean:.3g}" if mem > 0 else ""
 
     # -- the next proposal -----------------------------------------------------------
     def _propose(self) -> Decision | None:

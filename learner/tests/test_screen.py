@@ -1166,7 +1166,6 @@ def test_under_a_budget_a_confirmed_candidate_still_over_it_searches_on():
     search goes on from it instead of settling; a confirmed candidate under
     the budget still settles (and under a price, as ever)."""
     from hakmem.objective import Objective
-    from hakmem.screen import Ranked
     ctx = make_ctx(objective=Objective(budget_bytes=int(34.2 * MIB)))
     sim = Sim(ctx)
     lean = dict(policies(ctx, [CLS[512]]))["warm=0"]

@@ -647,8 +647,9 @@ class GPLearner(Reporting):
         self._phase = Phase.SETTLED
 
     def _over_budget(self, run) -> str:
-        """Under a memory budget, whether run's windows paid for memory (they
-        were over it, on average): what they paid, for a person; else ""."""
+        """Under a memory budget, whether run's windows paid for memory (one
+        or more of them was over it): their mean price of memory against
+        their mean cost, for a person; else ""."""
         if not getattr(self.ctx.objective, "budget_bytes", None) or not run.n:
             return ""
         mem = float(np.mean(run.mem))

@@ -86,6 +86,18 @@ def test_a_run_without_a_default_has_no_verdict():
     assert res["error"] == "no default run completed"
 
 
+def test_a_maps_read_cut_short_by_the_process_exit_says_nothing():
+    """Counted "not preloaded" only on a whole read: an exiting process's maps
+    come back as a prefix, the preloaded library (mapped high) cut off."""
+    whole = ("55d0c000-55d0d000 r-xp 00000000 fe:01 1 /usr/bin/perl\n"
+             "7f1c0000-7f1c1000 r-xp 00000000 fe:01 2 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+             "7f1d0000-7f1d1000 r-xp 00000000 fe:01 3 /tmp/build/libhakmem.so\n"
+             "7ffd0000-7ffd1000 rw-p 00000000 00:00 0 [stack]\n")
+    assert learn_real.maps_whole(whole)
+    assert not learn_real.maps_whole(whole[:whole.index("7f1d")])
+    assert not learn_real.maps_whole("")
+
+
 def test_bad_arguments_exit_2_with_one_line():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "learn_real.py"), "--only", "nginx"],
                        capture_output=True, text=True, timeout=scaled(30))

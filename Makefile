@@ -242,12 +242,17 @@ test: deps tests ## install what tests need, build, run every test (C, stress, r
 mutate: venv ## apply each curated bug (tools/mutants.toml) to a copy of the tree, run the tests that cover it; fails if one survives
 	$(Q)$(PYTHON3) tools/mutate.py $(MUTATE_ARGS)
 
-.PHONY: demo demo-synthetic
-# make demo: redis-server under redis-benchmark, tuned by learnd (tools/demo_redis.py, issue 17).
+.PHONY: demo demo-redis demo-synthetic
+# make demo: sqlite3 under a memory budget, tuned by learnd (tools/demo_sqlite.py,
+# issue 39): the real program where learnd finds room; make demo-redis: redis-server
+# under redis-benchmark, where it finds none and says so (tools/demo_redis.py).
 # Every target that starts learnd builds the replayer and hakmem-bpf first:
 # without them learnd screens nothing and reads the kernel's side from /proc,
 # so a fresh clone would show a learnd that no installed one is.
-demo: deps lib venv replay bpf ## redis-server preloaded under redis-benchmark, learnd tuning it for a minute; what it changed, measured (DEMO_S=60)
+demo: deps lib venv replay bpf ## sqlite3 preloaded under a 160 MiB budget, learnd tuning it for 2 minutes; what it changed, measured (DEMO_S=120)
+	$(Q)$(PY) tools/demo_sqlite.py --build $(BUILD) $(if $(DEMO_S),--seconds $(DEMO_S))
+
+demo-redis: deps lib venv replay bpf ## redis-server preloaded under redis-benchmark, learnd tuning it for a minute; what it changed, measured (DEMO_S=60)
 	$(Q)tools/install-deps.sh redis
 	$(Q)$(PY) tools/demo_redis.py --build $(BUILD) $(if $(DEMO_S),--seconds $(DEMO_S))
 

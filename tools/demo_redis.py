@@ -121,13 +121,15 @@ def rss_kib(pid):
 
 
 class Demo:
+    program = PROGRAM       # the name learnd groups the service's processes by
+    kept = "learn.db, learnd.log, redis.log"     # what --keep leaves
+    learnd_args = ()        # more flags for every learnd the demo starts (its objective)
+
     def __init__(self, build, seconds, keep, rounds=3):
         self.lib = (build / "libhakmem.so").resolve()
         if not self.lib.exists():
             raise DemoError(f"{self.lib} missing: run `make lib`")
-        for tool in (REDIS, BENCH):
-            if not os.path.exists(tool):
-                raise DemoError(f"{tool} missing: run `tools/install-deps.sh redis`")
+        self.check_tools()
         self.seconds, self.keep, self.rounds = seconds, keep, rounds
         self.work = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-demo-", dir="/tmp"))
         self.shm = pathlib.Path(tempfile.mkdtemp(prefix="hakmem-demo-", dir="/dev/shm"))
@@ -137,6 +139,11 @@ class Demo:
         self.procs = []          # everything started, stopped in reverse
         self.learnd = self.redis = None
         self.url = None
+
+    def check_tools(self):
+        for tool in (REDIS, BENCH):
+            if not os.path.exists(tool):
+                raise DemoError(f"{tool} missing: run `tools/install-deps.sh redis`")
 
     # ---- starting and stopping ------------------------------------------------
     def spawn(self, argv, **kw):
@@ -162,6 +169,7 @@ class Demo:
         return p.returncode
 
     def start_learnd(self, *extra):
+        extra = (*self.learnd_args, *extra)
         self.state.mkdir(mode=0o700, exist_ok=True)
         log = open(self.work / "learnd.log", "a")
         argv = [VENV_BIN / "hakmem-learnd", "--foreground", "--db", self.db, "--shm-dir", self.shm,
@@ -243,7 +251,7 @@ class Demo:
         left = [n for n in os.listdir(self.shm) if n != "learnd.lock"] if self.shm.exists() else []
         shutil.rmtree(self.shm, ignore_errors=True)
         if self.keep:
-            say(f"kept {self.work} (learn.db, learnd.log, redis.log)")
+            say(f"kept {self.work} ({self.kept})")
         else:
             shutil.rmtree(self.work, ignore_errors=True)
         return left
@@ -280,14 +288,15 @@ class Demo:
                 if all(s.labels.get(k) == v for k, v in lab.items()) and not s.name.endswith("_created"):
                     return s.value
             return None
-        allocs = val("hakmem_process_counter_rate", program=PROGRAM, counter="allocs")
-        cost = val("hakmem_program_cost", program=PROGRAM)
-        ver = val("hakmem_process_policy_applied_version", program=PROGRAM)
-        acc = val("hakmem_program_trials", program=PROGRAM, verdict="accepted") or 0
-        rb = val("hakmem_program_trials", program=PROGRAM, verdict="rolled_back") or 0
-        rss = val("hakmem_program_resident_bytes", program=PROGRAM)
+        prog = self.program
+        allocs = val("hakmem_process_counter_rate", program=prog, counter="allocs")
+        cost = val("hakmem_program_cost", program=prog)
+        ver = val("hakmem_process_policy_applied_version", program=prog)
+        acc = val("hakmem_program_trials", program=prog, verdict="accepted") or 0
+        rb = val("hakmem_program_trials", program=prog, verdict="rolled_back") or 0
+        rss = val("hakmem_program_resident_bytes", program=prog)
         if allocs is None:
-            return "waiting for redis's first window"
+            return f"waiting for {prog}'s first window"
         return (f"{allocs / 1e3:.0f}k allocs/s, cost {cost:.2e}, rss {rss / 2**20:.0f} MiB, "
                 f"policy v{int(ver or 0)}, accepted {int(acc)}, rolled back {int(rb)}")
 
@@ -310,7 +319,7 @@ class Demo:
                 time.sleep(max(0.0, t0 + i + 1 - time.monotonic()))
                 text = self.log_text()
                 for ln in text[seen:].splitlines():
-                    if PROGRAM in ln and any(k in ln for k in ("policy_", "process_", "relearn")):
+                    if self.program in ln and any(k in ln for k in ("policy_", "process_", "relearn")):
                         bar.write("  " + ln.split("hakmem-learnd: ", 1)[-1][:160])
                 seen = len(text)
                 line = self.status_line()
@@ -324,38 +333,7 @@ class Demo:
         self.stop(load, signal.SIGINT)
         say(f"status: {self.status_line()}")
 
-        header("the learned policy: hakmem policy show redis-server")
-        where = ["--db", self.db, "--run-dir", self.run]
-        r = subprocess.run([str(a) for a in [VENV_BIN / "hakmem", "policy", "show", "redis-server", *where]],
-                           env=env(), capture_output=True, text=True, timeout=60)
-        say(r.stdout.rstrip() or r.stderr.rstrip())
-
-        header(f"the SQLite file: {str(self.db).replace(str(self.work), '$DEMO')}")
-        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5)
-        try:
-            counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                      for t in ("programs", "processes", "windows", "policies", "evaluations")}
-            size = sum(p.stat().st_size for p in self.state.glob("learn.db*"))      # with its -wal
-            say(f"{size / 1024:.0f} KiB with its WAL: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
-            say("$ sqlite3 learn.db 'SELECT version, origin, objective, evaluations FROM policies'")
-            for row in con.execute("SELECT version, origin, printf('%.3e', objective), evaluations FROM policies "
-                                   "ORDER BY version"):
-                say("  " + "|".join("" if c is None else str(c) for c in row))
-            best = con.execute("SELECT p.origin FROM programs g JOIN policies p ON p.id = g.best_policy").fetchone()
-            # With the default as its best there is nothing learned to run:
-            # the comparison below would set the default against itself.
-            best_is_default = best is not None and best[0] == "default"
-        finally:
-            con.close()
-
-        header(f"the metrics endpoint: curl {self.url}  (redis's lines)")
-        text, _ = self.scrape()
-        keep = [ln for ln in text.splitlines() if ln.startswith(("hakmem_program_", "hakmem_learnd_processes"))
-                and "_created" not in ln]
-        keep += [ln for ln in text.splitlines() if re.match(r"hakmem_process_(resident|cost|policy)", ln)]
-        keep += [ln for ln in text.splitlines() if ln.startswith("hakmem_process_counter_rate")
-                 and re.search(r'counter="(allocs|frees|refills|drains|slabs_from_os)"', ln)]
-        say("\n".join(re.sub(r'key="[^"]*",?', "", ln).replace("{}", "") for ln in keep))
+        best_is_default = self.show_learned()
 
         if best_is_default:
             header("redis under redis-benchmark: what learnd changed")
@@ -396,6 +374,43 @@ class Demo:
         for line in comparison(runs):
             say(line)
 
+    def show_learned(self):
+        """What learnd stored and shows: `policy show`, the SQLite file, the
+        metrics endpoint's lines. Returns whether its best is the default."""
+        header(f"the learned policy: hakmem policy show {self.program}")
+        where = ["--db", self.db, "--run-dir", self.run]
+        r = subprocess.run([str(a) for a in [VENV_BIN / "hakmem", "policy", "show", self.program, *where]],
+                           env=env(), capture_output=True, text=True, timeout=60)
+        say(r.stdout.rstrip() or r.stderr.rstrip())
+
+        header(f"the SQLite file: {str(self.db).replace(str(self.work), '$DEMO')}")
+        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5)
+        try:
+            counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                      for t in ("programs", "processes", "windows", "policies", "evaluations")}
+            size = sum(p.stat().st_size for p in self.state.glob("learn.db*"))      # with its -wal
+            say(f"{size / 1024:.0f} KiB with its WAL: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+            say("$ sqlite3 learn.db 'SELECT version, origin, objective, evaluations FROM policies'")
+            for row in con.execute("SELECT version, origin, printf('%.3e', objective), evaluations FROM policies "
+                                   "ORDER BY version"):
+                say("  " + "|".join("" if c is None else str(c) for c in row))
+            best = con.execute("SELECT p.origin FROM programs g JOIN policies p ON p.id = g.best_policy").fetchone()
+            # With the default as its best there is nothing learned to run:
+            # the comparison below would set the default against itself.
+            best_is_default = best is not None and best[0] == "default"
+        finally:
+            con.close()
+
+        header(f"the metrics endpoint: curl {self.url}  ({self.program}'s lines)")
+        text, _ = self.scrape()
+        keep = [ln for ln in text.splitlines() if ln.startswith(("hakmem_program_", "hakmem_learnd_processes"))
+                and "_created" not in ln]
+        keep += [ln for ln in text.splitlines() if re.match(r"hakmem_process_(resident|cost|policy)", ln)]
+        keep += [ln for ln in text.splitlines() if ln.startswith("hakmem_process_counter_rate")
+                 and re.search(r'counter="(allocs|frees|refills|drains|slabs_from_os)"', ln)]
+        say("\n".join(re.sub(r'key="[^"]*",?', "", ln).replace("{}", "") for ln in keep))
+        return best_is_default
+
     def wait_applied(self, timeout=60):
         """The snapshot version redis applied, once learnd has found it and
         written it its policy (0 after timeout). A process looks for learnd's
@@ -417,6 +432,31 @@ class Demo:
         return 0
 
 
+def run(demo, started):
+    """Runs a demo to its end; Ctrl-C, and a SIGTERM or hang-up too, stop
+    everything it started (also when started where SIGINT is ignored: a
+    background job). started: what that is, in words. Its exit status."""
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
+    rc = 0
+    try:
+        demo.main()
+    except KeyboardInterrupt:
+        say("\ninterrupted: stopping everything")
+        rc = 130
+    except DemoError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        left = demo.cleanup()
+        alive = [p.pid for p in demo.procs if p.poll() is None]
+        say(f"stopped: {started}{'' if not alive else f' (still running: {alive})'}; "
+            f"telemetry files left: {len(left)}")
+    return rc
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="demo_redis", description=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -434,27 +474,7 @@ def main(argv=None):
     except DemoError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 1
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-    # Ctrl-C, and a SIGTERM or hang-up too, stop everything the demo started
-    # (also when started where SIGINT is ignored: a background job).
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupted)
-    rc = 0
-    try:
-        demo.main()
-    except KeyboardInterrupt:
-        say("\ninterrupted: stopping everything")
-        rc = 130
-    except DemoError as e:
-        print(f"demo: error: {e}", file=sys.stderr)
-        rc = 1
-    finally:
-        left = demo.cleanup()
-        alive = [p.pid for p in demo.procs if p.poll() is None]
-        say(f"stopped: redis-server, redis-benchmark, hakmem-learnd"
-            f"{'' if not alive else f' (still running: {alive})'}; telemetry files left: {len(left)}")
-    return rc
+    return run(demo, "redis-server, redis-benchmark, hakmem-learnd")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ where the rounds separate, and noise is never printed as a gain."""
 import importlib.util
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("demo_redis", ROOT / "tools" / "demo_redis.py")
 demo = importlib.util.module_from_spec(spec)
@@ -39,10 +41,11 @@ def test_empty_rounds_say_so():
     assert demo.verdict([], [1.0]) == ("not measured", None)
 
 
-def test_the_default_kept_means_nothing_is_compared():
+@pytest.mark.parametrize("tool", ["demo_redis.py", "demo_sqlite.py"])
+def test_the_default_kept_means_nothing_is_compared(tool):
     # The comparison's code must stop before it starts a run when learnd's
     # best is the default: a "learned" run would be the default again.
-    src = (ROOT / "tools" / "demo_redis.py").read_text()
+    src = (ROOT / "tools" / tool).read_text()
     i = src.index("if best_is_default:")
     j = src.index('runs = {"default": [], "learned": []}')
     assert i < j and "return" in src[i:j]
@@ -71,7 +74,7 @@ def test_every_target_that_starts_learnd_builds_the_replayer_and_hakmem_bpf(tmp_
     a learnd no installed one is (found in a fresh-clone run at 167b91e)."""
     import subprocess
     btf = pathlib.Path("/sys/kernel/btf/vmlinux").exists()
-    for target in ("demo", "demo-synthetic", "bench-learn", "bench-learn-quick", "bench-learn-real",
+    for target in ("demo", "demo-redis", "demo-synthetic", "bench-learn", "bench-learn-quick", "bench-learn-real",
                    "bench-learn-real-quick"):
         r = subprocess.run(["make", "-n", f"BUILD={tmp_path}", target], cwd=ROOT, capture_output=True,
                            text=True, timeout=60)

@@ -1195,3 +1195,72 @@ def test_under_a_budget_a_confirmed_candidate_still_over_it_searches_on():
     lrn, verdicts = run(roomy, Sim(roomy))
     accept = next(d for d in verdicts if d.kind == "accept")
     assert "settled" in accept.reason and lrn.state() == "settled", verdicts
+
+
+class Grows(Sim):
+    """A program that holds `extra` bytes more from window `at` on (the
+    data it serves grew), whatever its policy."""
+
+    def __init__(self, ctx, at, extra, **kw):
+        super().__init__(ctx, **kw)
+        self.at, self.extra, self.now = at, extra, 0
+
+    def window(self, t, in_force, knobs):
+        self.now = t
+        return super().window(t, in_force, knobs)
+
+    def truth(self, k):
+        tr = dict(super().truth(k))
+        if self.now >= self.at:
+            tr["rss"] += self.extra
+            tr["cost"] = self.ctx.objective.cost(tr["time"], tr["rss"])
+        return tr
+
+
+def _screens_lean_first(lrn, sim, ctx, lean):
+    def before(i):
+        if i == 0:
+            lrn.screening()
+        if i == 8:
+            lrn.screened([Ranked("warm=0", lean, sim.truth(lean)["cost"], 0.01, 0.0, 0.0),
+                          Ranked("default", ctx.default, sim.truth(ctx.default)["cost"], 0.01, 0.0, 0.0)])
+    return before
+
+
+def test_under_a_budget_a_settled_search_reopens_when_the_program_grows_over_it():
+    """Confirmed under its budget, the replay's best settles; the program
+    then grows past the budget (sqlite3's shell ended a cold run at 181 MiB
+    under 160, settled on a policy confirmed while it held less). The
+    search starts again, blind, within two reports of the growth; a program
+    no policy brings under the budget is searched again twice, no more; one
+    that stays under is left settled."""
+    from hakmem.objective import Objective
+    ctx = make_ctx(objective=Objective(budget_bytes=int(34.6 * MIB)))
+    lean = dict(policies(ctx, [CLS[512]]))["warm=0"]
+    base = Sim(ctx)
+    assert base.truth(ctx.default)["rss"] > ctx.objective.budget_bytes > base.truth(lean)["rss"]
+    room = ctx.objective.budget_bytes - base.truth(lean)["rss"]     # 0.29 MiB, 4 sd of a window's noise
+
+    def run(extra, n):
+        sim = Grows(ctx, at=60, extra=extra)
+        lrn = GPLearner(seed=0)
+        decisions, _, _ = drive(lrn, sim, ctx, n, before_window=_screens_lean_first(lrn, sim, ctx, lean))
+        return lrn, [(i, d) for i, d in decisions if d.kind != "ab"]
+
+    # Grown past the budget by more than the room under it: searched again.
+    lrn, verdicts = run(room + 2 * MIB, 160)
+    settled = [i for i, d in verdicts if d.kind == "accept" and "settled" in d.reason]
+    assert settled and settled[0] < 60, verdicts
+    reopened = [(i, d) for i, d in verdicts if d.kind == "relearn"]
+    assert reopened and 60 + 5 <= reopened[0][0] <= 60 + 20, verdicts
+    assert "over the budget" in reopened[0][1].reason and "1 of at most 2" in reopened[0][1].reason
+    assert any(d.kind == "explore" and i > reopened[0][0] for i, d in verdicts), verdicts
+    # Grown far past anything a policy can give back: searched twice more, then left settled.
+    lrn, verdicts = run(40 * MIB, 1200)
+    reopened = [d for _, d in verdicts if d.kind == "relearn"]
+    assert len(reopened) == 2 and "2 of at most 2" in reopened[1].reason, verdicts
+    assert lrn.state() == "settled"
+    # Grown, but still under the budget: settled, and left so.
+    lrn, verdicts = run(room / 3, 300)
+    assert not [d for _, d in verdicts if d.kind == "relearn"], verdicts
+    assert lrn.state() == "settled"

@@ -36,6 +36,13 @@ class GPParams:
     remeasure_windows: int = 3      # ... for this many windows
     settle_after: int = 3           # failures at the smallest radius that settle the search
     report_every: int = 10          # windows per "measured" evaluation of a steady policy
+    # Under a memory budget, a settled search starts again when most of a
+    # report's windows are over the budget (the program grew past it after
+    # the search ended: sqlite3's shell under 160 MiB ended a cold run at
+    # 181 MiB under a policy confirmed while it held less), at most this
+    # many times until the size mix changes: a program no policy brings
+    # under its budget is not searched for ever.
+    budget_reopens: int = 2
     mix_threshold: float = 0.5      # L1 distance of the size mix that starts the search again ...
     # ... unless the program ran that mix before, within this many counted
     # windows (this run's, and the store's for a warm start): a program whose
@@ -186,6 +193,7 @@ class GPLearner(Reporting):
         self._screen_note = ""
         self._screen_trial: _Cand | None = None
         self._screen_won = False
+        self._reopens = 0         # settled searches started again for the budget (budget_reopens)
         self._reset_search()
         return first
 
@@ -307,10 +315,13 @@ class GPLearner(Reporting):
             return None if self._screen_waits() else self._propose()
         if self._phase is Phase.SETTLED:
             if self._inc_run.n >= self.p.report_every:
+                over = self._mostly_over_budget(self._inc_run)
                 _push(self._pending, [self._inc_run.evaluation("measured")])
                 self._inc_run = _Run(self._inc)
                 self._close_segment(self._inc_seg)
                 self._inc_seg = _Run(self._inc)
+                if over and self._reopens < self.p.budget_reopens:
+                    return self._reopen(over)
             return None
         if self._screen_waits():
             return None
@@ -485,6 +496,7 @@ class GPLearner(Reporting):
         top = ", ".join(f"{self.ctx.class_size[c]}B {m[c] * 100:.0f}%" for c in hot) or "nothing hot"
         self._reset_search()
         self._warm = False      # the load changed: what the stored best concluded no longer holds
+        self._reopens = 0
         _push(self._pending, evs)
         return Decision(self._inc, "relearn",
                         f"relearn: size mix moved {dist:.2f} (L1) for {self.p.mix_windows} windows; now {top}",
@@ -654,6 +666,25 @@ class GPLearner(Reporting):
             return ""
         mem = float(np.mean(run.mem))
         return f"memory {mem:.3g} of a cost of {run.mean:.3g}" if mem > 0 else ""
+
+    def _mostly_over_budget(self, run) -> str:
+        """Under a memory budget, whether most of run's windows paid for
+        memory (were over it), for a person; else ""."""
+        if not getattr(self.ctx.objective, "budget_bytes", None) or not run.n:
+            return ""
+        n = sum(1 for m in run.mem if m > 0)
+        return f"{n} of its last {run.n} windows over the budget" if 2 * n > run.n else ""
+
+    def _reopen(self, over: str) -> Decision:
+        """The settled incumbent is over the budget: the search starts again
+        from it, blind (the replay's ranking was of the program as it was),
+        after a warm-up that measures it as it is now."""
+        self._reopens += 1
+        self._reset_search()
+        self._warm = False
+        self._screen = "done"
+        return Decision(self._inc, "relearn", f"relearn: settled, but {over}: searching again "
+                                              f"({self._reopens} of at most {self.p.budget_reopens})", self._take())
 
     # -- the next proposal -----------------------------------------------------------
     def _propose(self) -> Decision | None:

@@ -1159,6 +1159,16 @@ def test_under_a_memory_budget_a_replay_is_priced_by_the_memory_it_changes(tmp_p
     assert [lb for lb, _ in priced] == ["default", "retain=64"], priced
 
 
+def _screens_lean_first(lrn, sim, ctx, lean):
+    def before(i):
+        if i == 0:
+            lrn.screening()
+        if i == 8:
+            lrn.screened([Ranked("warm=0", lean, sim.truth(lean)["cost"], 0.01, 0.0, 0.0),
+                          Ranked("default", ctx.default, sim.truth(ctx.default)["cost"], 0.01, 0.0, 0.0)])
+    return before
+
+
 def test_under_a_budget_a_confirmed_candidate_still_over_it_searches_on():
     """The replay ranks first a policy that halves the program's excess
     over its budget; confirmed, it leaves the program over (sqlite3's shell
@@ -1174,14 +1184,7 @@ def test_under_a_budget_a_confirmed_candidate_still_over_it_searches_on():
 
     def run(ctx, sim):
         lrn = GPLearner(seed=0, tie_margin=0.03)
-
-        def before(i):
-            if i == 0:
-                lrn.screening()
-            if i == 8:
-                lrn.screened([Ranked("warm=0", lean, sim.truth(lean)["cost"], 0.01, 0.0, 0.0),
-                              Ranked("default", ctx.default, sim.truth(ctx.default)["cost"], 0.01, 0.0, 0.0)])
-        decisions, _, _ = drive(lrn, sim, ctx, 60, before_window=before)
+        decisions, _, _ = drive(lrn, sim, ctx, 60, before_window=_screens_lean_first(lrn, sim, ctx, lean))
         return lrn, [d for _, d in decisions if d.kind != "ab"]
 
     lrn, verdicts = run(ctx, sim)
@@ -1215,16 +1218,6 @@ class Grows(Sim):
             tr["rss"] += self.extra
             tr["cost"] = self.ctx.objective.cost(tr["time"], tr["rss"])
         return tr
-
-
-def _screens_lean_first(lrn, sim, ctx, lean):
-    def before(i):
-        if i == 0:
-            lrn.screening()
-        if i == 8:
-            lrn.screened([Ranked("warm=0", lean, sim.truth(lean)["cost"], 0.01, 0.0, 0.0),
-                          Ranked("default", ctx.default, sim.truth(ctx.default)["cost"], 0.01, 0.0, 0.0)])
-    return before
 
 
 def test_under_a_budget_a_settled_search_reopens_when_the_program_grows_over_it():

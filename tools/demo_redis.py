@@ -457,18 +457,27 @@ def run(demo, started):
     return rc
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="demo_redis", description=__doc__.split("\n\n")[1],
+def arguments(prog, doc, what, seconds, more=None, argv=None):
+    """The demos' command line: --build, --seconds (how long learnd tunes
+    `what`), --rounds, --keep, and what more(ap) adds. Returns (ap, args)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build", help="the build directory holding libhakmem.so (default build)")
-    ap.add_argument("--seconds", type=int, default=60, help="how long learnd tunes redis (default 60)")
-    ap.add_argument("--keep", action="store_true", help="keep the demo's directory (database, logs)")
+    ap.add_argument("--seconds", type=int, default=seconds, help=f"how long learnd tunes {what} (default {seconds})")
     ap.add_argument("--rounds", type=int, default=3, help="default/learned rounds compared at the end (default 3)")
+    ap.add_argument("--keep", action="store_true", help="keep the demo's directory (database, logs)")
+    if more:
+        more(ap)
     args = ap.parse_args(argv)
     if args.seconds < 5:
         ap.error("--seconds must be at least 5")
     if not 1 <= args.rounds <= 50:
         ap.error("--rounds must be between 1 and 50")
+    return ap, args
+
+
+def main(argv=None):
+    ap, args = arguments("demo_redis", __doc__, "redis", 60, argv=argv)
     try:
         demo = Demo(pathlib.Path(args.build), args.seconds, args.keep, args.rounds)
     except DemoError as e:

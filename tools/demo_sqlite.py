@@ -23,7 +23,6 @@ stopped at the end, on an error or on Ctrl-C.
     tools/demo_sqlite.py [--build build] [--seconds 120] [--rounds 3] [--run-seconds 30]
                          [--budget 160MiB] [--small] [--keep]
 """
-import argparse
 import pathlib
 import statistics
 import sys
@@ -247,21 +246,12 @@ def comparison(runs, objective):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="demo_sqlite", description=__doc__.split("\n\n")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", default="build", help="the build directory holding libhakmem.so (default build)")
-    ap.add_argument("--seconds", type=int, default=120, help="how long learnd tunes sqlite3 (default 120)")
-    ap.add_argument("--rounds", type=int, default=3, help="default/learned rounds compared at the end (default 3)")
-    ap.add_argument("--run-seconds", type=float, default=30.0,
-                    help="seconds of each compared run, whole cycles (default 30)")
-    ap.add_argument("--budget", default="160MiB", help="learnd's memory budget for sqlite3 (default 160MiB)")
-    ap.add_argument("--small", action="store_true", help="small data and short idles (the check CI runs)")
-    ap.add_argument("--keep", action="store_true", help="keep the demo's directory (database, logs)")
-    args = ap.parse_args(argv)
-    if args.seconds < 5:
-        ap.error("--seconds must be at least 5")
-    if not 1 <= args.rounds <= 50:
-        ap.error("--rounds must be between 1 and 50")
+    def more(ap):
+        ap.add_argument("--run-seconds", type=float, default=30.0,
+                        help="seconds of each compared run, whole cycles (default 30)")
+        ap.add_argument("--budget", default="160MiB", help="learnd's memory budget for sqlite3 (default 160MiB)")
+        ap.add_argument("--small", action="store_true", help="small data and short idles (the check CI runs)")
+    ap, args = demo_redis.arguments("demo_sqlite", __doc__, "sqlite3", 120, more, argv)
     if args.run_seconds <= 0:
         ap.error("--run-seconds must be positive")
     try:

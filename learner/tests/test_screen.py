@@ -1257,3 +1257,60 @@ def test_under_a_budget_a_settled_search_reopens_when_the_program_grows_over_it(
     lrn, verdicts = run(room / 3, 300)
     assert not [d for _, d in verdicts if d.kind == "relearn"], verdicts
     assert lrn.state() == "settled"
+
+
+def test_under_a_budget_the_replays_faster_candidate_is_tried_once_the_program_is_under_it():
+    """Under a budget the replay's memory is an estimate (a 2-s trace holds a
+    fraction of sqlite3's), its time a measurement: it ranked cap=4
+    drain=100ms first and retain=64, 8% faster, eighth, yet live both held
+    sqlite3's shell under 160 MiB and retain=64 was the faster. Once the
+    replay's best is confirmed under the budget, the next of its ranking
+    that it timed faster is tried live: taken where it stays under the
+    budget and costs less, rolled back where its memory goes over; never
+    under a price of memory, nor where the replay timed it no faster."""
+    from hakmem.objective import Objective
+    ctx = make_ctx(objective=Objective(budget_bytes=int(34.6 * MIB)))
+    sim = Sim(ctx)
+    lean = dict(policies(ctx, [CLS[512]]))["warm=0"]
+    fast = ctx.clamp(with_hot(lean, 512, 192))      # faster than lean, still under the budget
+    greedy = ctx.clamp(with_hot(lean, 512, 512))    # faster still, over it
+    b = ctx.objective.budget_bytes
+    assert sim.truth(ctx.default)["rss"] > b > sim.truth(fast)["rss"] > sim.truth(lean)["rss"]
+    assert sim.truth(greedy)["rss"] > b
+    assert sim.truth(fast)["cost"] < 0.8 * sim.truth(lean)["cost"] < sim.truth(greedy)["cost"]
+
+    def run(ctx, sim, alt, alt_time, **params):
+        lrn = GPLearner(seed=0, **params)
+        t = {k: sim.truth(k)["time"] for k in (lean, ctx.default)}
+
+        def before(i):
+            if i == 0:
+                lrn.screening()
+            if i == 8:      # the replay's order: memory estimated, time measured
+                lrn.screened([Ranked("warm=0", lean, 0.5, 0.01, 0.0, t[lean]),
+                              Ranked("alt", alt, 0.8, 0.01, 0.0, alt_time),
+                              Ranked("default", ctx.default, 1.0, 0.01, 0.0, t[ctx.default])])
+        decisions, _, _ = drive(lrn, sim, ctx, 80, before_window=before)
+        return lrn, [d for _, d in tried(decisions)], [d for _, d in decisions if d.kind != "ab"]
+
+    lrn, knobs, verdicts = run(ctx, sim, fast, sim.truth(fast)["time"])
+    assert "under the budget now: trying 1 more" in verdicts[1].reason, verdicts
+    assert same(knobs[2], fast) and "timed -" in verdicts[2].reason, verdicts
+    assert verdicts[3].kind == "accept" and "faster than the replay's pick and under the budget, settled" \
+        in verdicts[3].reason, verdicts
+    assert same(lrn.incumbent()[0], fast) and lrn.state() == "settled"
+
+    lrn, knobs, verdicts = run(ctx, sim, greedy, sim.truth(greedy)["time"])
+    assert same(knobs[2], greedy) and verdicts[3].kind == "rollback", verdicts
+    assert same(lrn.incumbent()[0], lean) and lrn.state() == "settled", verdicts
+
+    # Timed no faster than the confirmed one, or none to try: settled on it.
+    for alt_time, params in ((sim.truth(lean)["time"], {}), (sim.truth(fast)["time"], {"budget_alts": 0})):
+        lrn, knobs, verdicts = run(ctx, sim, fast, alt_time, **params)
+        assert [d.kind for d in verdicts[:2]] == ["explore", "accept"] and "settled" in verdicts[1].reason, verdicts
+        assert len(verdicts) == 2 and same(lrn.incumbent()[0], lean)
+
+    # Under a price of memory the replay's cost is what the program pays: its order stands.
+    priced = make_ctx()
+    lrn, knobs, verdicts = run(priced, Sim(priced), fast, sim.truth(fast)["time"])
+    assert not any("under the budget now" in d.reason for d in verdicts), verdicts

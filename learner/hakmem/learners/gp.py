@@ -100,6 +100,19 @@ class GPParams:
     # phases-only run it was rolled back (+20.7% measured) after a window
     # 1.11 times the default's median, past the guard.
     max_ties: int = 0
+    # Under a memory budget, once a screened candidate is confirmed and the
+    # program is under the budget, this many more of the replay's ranking
+    # (those it ranked cheaper than the incumbent, in its order) that it
+    # timed faster than the confirmed one by screen_margin are tried live
+    # too. A replay's time is measured, its memory under a budget is an
+    # estimate from a trace that holds a fraction of the program's: sqlite3's
+    # shell under 160 MiB (2-s traces) ranked cap=4 drain=100ms first and
+    # retain=64, timed 8% faster, eighth, its mean RSS estimated at 197 MiB;
+    # live it held 146 MiB at 0.97x cap=4 drain=100ms's units per busy
+    # second (bench/learn_real, 120-s runs at 0dde48a). The live windows
+    # say which stays under the budget, and an alternative over it loses its
+    # first pair.
+    budget_alts: int = 1
     ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
     settle_extra_s: float = 0.5     # after a switch, windows left out for the drain intervals and this (paired.py)
     settle_max: int = 3             # ... at most
@@ -125,6 +138,8 @@ class _Cand:
     why: str = ""
     cost: float = 0.0       # a screened candidate's replay cost and its spread
     spread: float = 0.0
+    time_cost: float | None = None    # ... and the replay's time alone (screen.Ranked), where known
+    alt: bool = False       # tried for budget_alts, after the replay's pick was confirmed
 
 
 class GPLearner(Reporting):
@@ -193,6 +208,7 @@ class GPLearner(Reporting):
         self._screen_note = ""
         self._screen_trial: _Cand | None = None
         self._screen_won = False
+        self._alts: list[_Cand] = []    # under a budget: the ranking's rest, for budget_alts
         self._reopens = 0         # settled searches started again for the budget (budget_reopens)
         self._reset_search()
         return first
@@ -223,6 +239,7 @@ class GPLearner(Reporting):
         base = next((r for r in ranked if same(r.knobs, self._inc)), None) or \
             next((r for r in ranked if r.label == "default"), None)
         queue = []
+        self._alts = []
         if base is not None and base.cost > 0:
             for i, r in enumerate(ranked):
                 rel = r.cost / base.cost - 1
@@ -230,11 +247,12 @@ class GPLearner(Reporting):
                 if same(r.knobs, self._inc) or -rel <= need:
                     continue
                 k = self.ctx.clamp(r.knobs)
-                queue.append(_Cand(x=np.zeros(0), knobs=k, why=f"replay: {r.label} {_pct(rel)} vs incumbent, "
-                                                               f"#{i + 1} of {len(ranked)}",
-                                   cost=float(r.cost), spread=float(r.spread)))
-                if len(queue) >= self.p.screen_trials:
-                    break
+                t = getattr(r, "time_cost", None)
+                c = _Cand(x=np.zeros(0), knobs=k, why=f"replay: {r.label} {_pct(rel)} vs incumbent, "
+                                                      f"#{i + 1} of {len(ranked)}",
+                          cost=float(r.cost), spread=float(r.spread), time_cost=None if t is None else float(t))
+                (queue if len(queue) < self.p.screen_trials else self._alts).append(c)
+            self._alts = queue + self._alts
         self._screen_note = (why or "the replay ranks nothing cheaper than the incumbent beyond its spread") \
             if not queue else ""
         # With a ranking, only what it ranks cheaper is tried (an empty queue
@@ -627,9 +645,17 @@ class GPLearner(Reporting):
                     self._phase = Phase.SEARCH
                     return Decision(t.knobs, "accept", f"accept: {change}; the replay's best confirmed, still "
                                                        f"over the budget ({over}): searching on", self._take())
+                alts = self._budget_alts(screened, t.knobs)
+                if alts:
+                    self._screen = alts
+                    return Decision(t.knobs, "accept", f"accept: {change}; under the budget now: trying "
+                                                       f"{len(alts)} more of the replay's ranking that it timed "
+                                                       f"faster (memory is for the live windows to judge)",
+                                    self._take())
                 self._settle()
-                return Decision(t.knobs, "accept", f"accept: {change}; the replay's best confirmed, settled",
-                                self._take())
+                what = ("faster than the replay's pick and under the budget" if screened.alt else
+                        "the replay's best confirmed")
+                return Decision(t.knobs, "accept", f"accept: {change}; {what}, settled", self._take())
             return Decision(t.knobs, "accept", f"accept: {change}", self._take())
         if screened is not None:
             self._tabu.add(digest(t.knobs))
@@ -657,6 +683,26 @@ class GPLearner(Reporting):
 
     def _settle(self) -> None:
         self._phase = Phase.SETTLED
+
+    def _budget_alts(self, confirmed: _Cand, knobs) -> list[_Cand]:
+        """Under a memory budget, the screened candidates (GPParams.budget_alts
+        at most, once per screening) that the replay timed faster than the
+        one just confirmed under the budget, in the replay's order."""
+        alts, self._alts = self._alts, []
+        t0 = confirmed.time_cost
+        if not getattr(self.ctx.objective, "budget_bytes", None) or t0 is None or t0 <= 0:
+            return []
+        out = []
+        for c in alts:
+            if len(out) >= self.p.budget_alts:
+                break
+            if c.time_cost is None or c.time_cost >= t0 * (1 - self.p.screen_margin):
+                continue
+            if same(c.knobs, knobs) or digest(c.knobs) in self._tabu:
+                continue
+            why = f"{c.why}; timed {_pct(c.time_cost / t0 - 1)} vs the confirmed candidate"
+            out.append(dataclasses.replace(c, why=why, alt=True))
+        return out
 
     def _over_budget(self, run) -> str:
         """Under a memory budget, whether run's windows paid for memory (one

@@ -107,12 +107,20 @@ class GPParams:
     # too. A replay's time is measured, its memory under a budget is an
     # estimate from a trace that holds a fraction of the program's: sqlite3's
     # shell under 160 MiB (2-s traces) ranked cap=4 drain=100ms first and
-    # retain=64, timed 8% faster, eighth, its mean RSS estimated at 197 MiB;
-    # live it held 146 MiB at 0.97x cap=4 drain=100ms's units per busy
-    # second (bench/learn_real, 120-s runs at 0dde48a). The live windows
-    # say which stays under the budget, and an alternative over it loses its
-    # first pair.
+    # retain=64, timed 4-12% faster, fourth or fifth, its mean RSS estimated
+    # at 197 MiB; live it held 146 MiB at 1.03 times cap=4 drain=100ms's
+    # units per busy second (bench/learn_real, 120-s runs at 0dde48a). The
+    # live windows say which stays under the budget, and an alternative over
+    # it loses its first pair.
     budget_alts: int = 1
+    # ... of those whose replay saved at least this share of the memory the
+    # confirmed one's saved (mean RSS against the incumbent's replay): the
+    # replay underestimates what a policy saves, it does not make one that
+    # saves nothing save much. sqlite3's cap=4, timed 39% faster than
+    # drain=100ms, was tried that way and lost its first block at +6800% (the
+    # default's 270 MiB); in a replay of the same workload cap=4 saved 11 MiB,
+    # drain=100ms 71, retain=64 53 and cap=4 drain=100ms 74.
+    budget_alt_saves: float = 0.5
     ab_abort: float = 0.5           # one pair this much dearer ends the trial at once
     settle_extra_s: float = 0.5     # after a switch, windows left out for the drain intervals and this (paired.py)
     settle_max: int = 3             # ... at most
@@ -140,6 +148,7 @@ class _Cand:
     spread: float = 0.0
     time_cost: float | None = None    # ... and the replay's time alone (screen.Ranked), where known
     alt: bool = False       # tried for budget_alts, after the replay's pick was confirmed
+    rss: float = 0.0        # the replay's mean resident bytes (screen.Ranked.rss_bytes), where known
 
 
 class GPLearner(Reporting):
@@ -209,6 +218,7 @@ class GPLearner(Reporting):
         self._screen_trial: _Cand | None = None
         self._screen_won = False
         self._alts: list[_Cand] = []    # under a budget: the ranking's rest, for budget_alts
+        self._alt_base_rss = 0.0        # ... and the incumbent's replay's mean RSS
         self._reopens = 0         # settled searches started again for the budget (budget_reopens)
         self._reset_search()
         return first
@@ -239,7 +249,7 @@ class GPLearner(Reporting):
         base = next((r for r in ranked if same(r.knobs, self._inc)), None) or \
             next((r for r in ranked if r.label == "default"), None)
         queue = []
-        self._alts = []
+        self._alts, self._alt_base_rss = [], 0.0
         if base is not None and base.cost > 0:
             for i, r in enumerate(ranked):
                 rel = r.cost / base.cost - 1
@@ -250,9 +260,11 @@ class GPLearner(Reporting):
                 t = getattr(r, "time_cost", None)
                 c = _Cand(x=np.zeros(0), knobs=k, why=f"replay: {r.label} {_pct(rel)} vs incumbent, "
                                                       f"#{i + 1} of {len(ranked)}",
-                          cost=float(r.cost), spread=float(r.spread), time_cost=None if t is None else float(t))
+                          cost=float(r.cost), spread=float(r.spread), time_cost=None if t is None else float(t),
+                          rss=float(getattr(r, "rss_bytes", 0.0) or 0.0))
                 (queue if len(queue) < self.p.screen_trials else self._alts).append(c)
             self._alts = queue + self._alts
+            self._alt_base_rss = float(getattr(base, "rss_bytes", 0.0) or 0.0)
         self._screen_note = (why or "the replay ranks nothing cheaper than the incumbent beyond its spread") \
             if not queue else ""
         # With a ranking, only what it ranks cheaper is tried (an empty queue
@@ -690,13 +702,16 @@ class GPLearner(Reporting):
         one just confirmed under the budget, in the replay's order."""
         alts, self._alts = self._alts, []
         t0 = confirmed.time_cost
-        if not getattr(self.ctx.objective, "budget_bytes", None) or t0 is None or t0 <= 0:
+        saved = self._alt_base_rss - confirmed.rss
+        if not getattr(self.ctx.objective, "budget_bytes", None) or t0 is None or t0 <= 0 or saved <= 0:
             return []
         out = []
         for c in alts:
             if len(out) >= self.p.budget_alts:
                 break
             if c.time_cost is None or c.time_cost >= t0 * (1 - self.p.screen_margin):
+                continue
+            if self._alt_base_rss - c.rss < self.p.budget_alt_saves * saved:
                 continue
             if same(c.knobs, knobs) or digest(c.knobs) in self._tabu:
                 continue

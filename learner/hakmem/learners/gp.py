@@ -243,13 +243,14 @@ class GPLearner(Reporting):
         """The screening's results, cheapest first (screen.Ranked: label,
         knobs, cost, spread), or [] and why it failed. The candidates the
         replay ranks cheaper than the incumbent by more than the margin
-        and their replays' spread are tried online, best first."""
+        and their replays' spread are tried online, best first (at most
+        screen_trials); under a budget, all of them are kept for
+        _budget_alts."""
         if self.ctx is None:
             return
         base = next((r for r in ranked if same(r.knobs, self._inc)), None) or \
             next((r for r in ranked if r.label == "default"), None)
-        queue = []
-        self._alts, self._alt_base_rss = [], 0.0
+        cands = []
         if base is not None and base.cost > 0:
             for i, r in enumerate(ranked):
                 rel = r.cost / base.cost - 1
@@ -262,9 +263,10 @@ class GPLearner(Reporting):
                                                       f"#{i + 1} of {len(ranked)}",
                           cost=float(r.cost), spread=float(r.spread), time_cost=None if t is None else float(t),
                           rss=float(getattr(r, "rss_bytes", 0.0) or 0.0))
-                (queue if len(queue) < self.p.screen_trials else self._alts).append(c)
-            self._alts = queue + self._alts
-            self._alt_base_rss = float(getattr(base, "rss_bytes", 0.0) or 0.0)
+                cands.append(c)
+        queue = cands[:self.p.screen_trials]
+        self._alts = cands
+        self._alt_base_rss = float(getattr(base, "rss_bytes", 0.0) or 0.0) if base is not None else 0.0
         self._screen_note = (why or "the replay ranks nothing cheaper than the incumbent beyond its spread") \
             if not queue else ""
         # With a ranking, only what it ranks cheaper is tried (an empty queue
@@ -699,7 +701,8 @@ class GPLearner(Reporting):
     def _budget_alts(self, confirmed: _Cand, knobs) -> list[_Cand]:
         """Under a memory budget, the screened candidates (GPParams.budget_alts
         at most, once per screening) that the replay timed faster than the
-        one just confirmed under the budget, in the replay's order."""
+        one just confirmed under the budget and found saving at least
+        budget_alt_saves of the memory it saved, in the replay's order."""
         alts, self._alts = self._alts, []
         t0 = confirmed.time_cost
         saved = self._alt_base_rss - confirmed.rss

@@ -53,7 +53,10 @@ priced but bounded: J = D_ref / X while the mean PSS is under SIZE, plus
            rotated each round: medians and ranges of J, throughput and PSS
   learnd   hakmem-learnd (gp) from a cold start, then restarted on the
            database it left (warm), interleaved with the default and the
-           best static policy of the room study
+           best static policy of the room study; every run is also judged
+           over its late half (from the first cycle ending past half of
+           --seconds to the last: what learnd settled on, its learning left
+           out), beside the whole run
   watched  (--watched) the price of being watched, the default policy in
            force throughout: watch-hold (the telemetry lease held by
            `hakmem ring hold`: every process makes its telemetry file and
@@ -96,7 +99,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "learner"))
 sys.path.insert(0, str(ROOT / "tools"))
 from hakmem.objective import Objective, ObjectiveError  # noqa: E402
-from hakmem.procfs import proc_descendants  # noqa: E402  one reader of /proc for learnd and the tools
+from hakmem.procfs import proc_descendants, proc_stat  # noqa: E402  one reader of /proc for learnd and the tools
 from tune_pg import pss_kib  # noqa: E402  the same PSS reading as tools/tune_pg.py and bench/services.py
 BUILD = ROOT / os.environ.get("BUILD", "build")
 LIB = BUILD / "libhakmem.so"
@@ -111,6 +114,11 @@ LAMBDA = 0.5            # bench/learn.py's price of memory: a GiB resident costs
 # steeply past it (objective.OVER_BUDGET cores per 100% over), as learnd's.
 OBJECTIVE = f"lambda={LAMBDA}"
 SAMPLE_S = 0.1
+# The late half: from the first cycle that ends past this share of --seconds
+# to the last. learnd's learning (screening, trials) lands in the first half;
+# what it settled on is judged here, as bench/learn.py judges J over its
+# runs' last seconds, beside the whole run's figures, never instead of them.
+LATE_FROM = 0.5
 
 # Static policies as HAKMEM_* variables: each applies to every class,
 # fitted into the class's bounds (knobs.h), the batch following the
@@ -196,6 +204,7 @@ class Ctx:
         self.cycles = 0
         self.idle_s = 0.0
         self.answers: list[str] = []
+        self.marks: list[tuple[float, int, float, float]] = []   # at each cycle's end: t, units, idle s, CPU s
         self.preload_checked = self.not_preloaded = 0
         self.samples: list[tuple[float, int]] = []
         self.lock = threading.Lock()
@@ -305,6 +314,38 @@ class Ctx:
         self.cycles += 1
         if answer is not None:
             self.answers.append(answer)
+        self.marks.append((time.monotonic() - self.t0, self.units, self.idle_s, self.cpu_now()))
+
+    def cpu_now(self) -> float:
+        """The program's CPU seconds so far: the reaped processes' rusage,
+        and for each live one its own and its waited-for children's (each
+        process that ended is in its waiter's cutime; a live descendant in
+        its own utime). /proc's ticks: 10 ms, against cycles of seconds."""
+        cpu = self.cpu_s
+        with self.lock:
+            roots = [p.pid for p in self.procs if p.returncode is None]
+        for r in roots:
+            for q in proc_descendants(r):
+                st = proc_stat(q)
+                if st is not None:
+                    cpu += st["utime"] + st["stime"] + st["cutime"] + st["cstime"]
+        return cpu
+
+    def late(self) -> dict | None:
+        """The run's late half (LATE_FROM): its units per busy second and
+        per CPU second, its mean PSS; None when fewer than one whole cycle
+        falls in it."""
+        cut = LATE_FROM * self.seconds
+        start = next((i for i, m in enumerate(self.marks) if m[0] >= cut), None)
+        if start is None or start + 1 >= len(self.marks):
+            return None
+        (t0, u0, i0, c0), (t1, u1, i1, c1) = self.marks[start], self.marks[-1]
+        busy, cpu = (t1 - t0) - (i1 - i0), c1 - c0
+        pss = [k for t, k in self.samples if t0 <= t <= t1]
+        if busy <= 0 or cpu <= 0 or not pss:
+            return None
+        return {"from_s": round(t0, 2), "to_s": round(t1, 2), "throughput": (u1 - u0) / busy,
+                "units_per_cpu_s": (u1 - u0) / cpu, "pss_mean_mib": statistics.fmean(pss) / 1024}
 
     def more(self) -> bool:
         """Whether to start another cycle: at least one, then until --seconds."""
@@ -329,6 +370,7 @@ class Ctx:
                 "pss_mean_mib": statistics.fmean(pss) / 1024 if pss else 0.0,
                 "pss_peak_mib": max(pss) / 1024 if pss else 0.0,
                 "answers": [a if len(a) <= 16 else digest(a) for a in self.answers],
+                "late": self.late(),
                 "preload_checked": self.preload_checked, "not_preloaded": self.not_preloaded}
 
 
@@ -997,8 +1039,11 @@ def summarise(res: dict) -> None:
         return
     d_ref = statistics.median(r["throughput"] for r in defaults)
     res["d_ref"] = d_ref
+    obj = Objective.parse(OBJECTIVE)
     for r in ok:
-        r["j"] = Objective.parse(OBJECTIVE).cost(d_ref / r["units_per_cpu_s"], r["pss_mean_mib"] * (1 << 20))
+        r["j"] = obj.cost(d_ref / r["units_per_cpu_s"], r["pss_mean_mib"] * (1 << 20))
+        if r.get("late"):
+            r["late"]["j"] = obj.cost(d_ref / r["late"]["units_per_cpu_s"], r["late"]["pss_mean_mib"] * (1 << 20))
     # Cycle k's answer must be the same in every run that did k cycles (the
     # longest run's answers are the reference; runs do different numbers).
     ref = max((r["answers"] for r in res["runs"] if "error" not in r), key=len, default=[])
@@ -1014,6 +1059,14 @@ def summarise(res: dict) -> None:
             return {"median": statistics.median(v), "lo": min(v), "hi": max(v), "n": len(v)}
         table[c] = {k: stat(k) for k in ("j", "throughput", "pss_mean_mib", "pss_peak_mib", "cpu_s")}
     res["table"] = table
+    # The late half, where every run of a configuration has one.
+    late = {}
+    for c, rs in per.items():
+        if all(r.get("late") for r in rs):
+            late[c] = {k: {"median": statistics.median(r["late"][k] for r in rs), "lo": min(r["late"][k] for r in rs),
+                           "hi": max(r["late"][k] for r in rs), "n": len(rs)}
+                       for k in ("j", "throughput", "pss_mean_mib")}
+    res["late_table"] = late
     base = table["default"]["j"]
     statics = {c: t for c, t in table.items() if c in POINTS and c not in ("default", "glibc")}
     if statics:
@@ -1068,6 +1121,20 @@ def markdown(out: dict) -> str:
                 return f"{fmt.format(s[k]['median'])} ({fmt.format(s[k]['lo'])}–{fmt.format(s[k]['hi'])})"
             lines.append(f"| {name} | {c} | {s['j']['n']} | {f('j')} | {f('throughput', '{:.4g}')} | "
                          f"{f('pss_mean_mib', '{:.1f}')} | {f('pss_peak_mib', '{:.1f}')} | {f('cpu_s', '{:.2f}')} |")
+    if any(res.get("late_table") for res in out["programs"].values()):
+        lines += ["", f"The late half (from the first cycle ending past {LATE_FROM:g} of the run's seconds to the last: "
+                  "what learnd settled on, its learning left out; D_ref the whole runs' default), medians (ranges):", "",
+                  "| program | config | runs | late J | ÷ default's | ÷ best static's | throughput (units/busy s) | "
+                  "mean PSS MiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, res in out["programs"].items():
+        late = res.get("late_table") or {}
+        d, b = late.get("default"), late.get(res.get("best_static"))
+        for c, s in late.items():
+            def f(k, fmt="{:.4g}"):
+                return f"{fmt.format(s[k]['median'])} ({fmt.format(s[k]['lo'])}–{fmt.format(s[k]['hi'])})"
+            vs = [f"{s['j']['median'] / x['j']['median']:.3f}×" if x else "" for x in (d, b)]
+            lines.append(f"| {name} | {c} | {s['j']['n']} | {f('j')} | {vs[0]} | {vs[1]} | {f('throughput')} | "
+                         f"{f('pss_mean_mib', '{:.1f}')} |")
     return "\n".join(lines) + "\n"
 
 

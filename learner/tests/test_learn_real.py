@@ -60,6 +60,53 @@ def test_memory_counts_at_the_price_of_memory():
     assert t["warm=0"]["j"]["median"] == pytest.approx(1.25)
 
 
+def test_the_late_half_is_judged_on_its_own_cycles_cpu_and_memory(tmp_path):
+    """learnd's learning lands in a run's first half; the late half (from the
+    first cycle ending past LATE_FROM of --seconds) is its own units, busy
+    time, CPU and PSS, not the run's averaged with it."""
+    ctx = learn_real.Ctx(tmp_path, None, tmp_path / "none", {}, 100.0, False)
+    ctx.close()
+    # 10 cycles of 10 s (1 s idle each, 100 units, 2 CPU-s): PSS 300 MiB for
+    # the first 50 s, 100 MiB after; twice as fast per CPU-second after 50 s.
+    ctx.marks = [(10.0 * k, 100 * k, 1.0 * k, 2.0 * k if k <= 5 else 10 + 1.0 * (k - 5)) for k in range(1, 11)]
+    ctx.samples = [(t / 10, (300 if t < 500 else 100) * 1024) for t in range(1001)]
+    late = ctx.late()
+    assert late["from_s"] == 50.0 and late["to_s"] == 100.0
+    assert late["throughput"] == pytest.approx(500 / 45)
+    assert late["units_per_cpu_s"] == pytest.approx(100.0)
+    assert late["pss_mean_mib"] == pytest.approx(100.0)      # the 300 MiB before 50 s left out
+    # Fewer than one whole cycle past the cut: no late half, not a made-up one.
+    ctx.marks = ctx.marks[:5]
+    assert ctx.late() is None
+    # Judged in J beside the whole run's, with the whole runs' D_ref.
+    late_run = dict(run("learnd-cold", 50, 200), late={"throughput": 100.0, "units_per_cpu_s": 100.0,
+                                                           "pss_mean_mib": 0.0})
+    res = {"deterministic": True, "runs": [run("default", 100, 0), run("cap=4", 100, 0), late_run]}
+    res["runs"][0]["late"] = {"throughput": 100.0, "units_per_cpu_s": 80.0, "pss_mean_mib": 0.0}
+    res["runs"][1]["late"] = {"throughput": 100.0, "units_per_cpu_s": 100.0, "pss_mean_mib": 0.0}
+    learn_real.summarise(res)
+    assert res["table"]["learnd-cold"]["j"]["median"] == pytest.approx(2.0 + 0.5 * 200 / 1024)
+    assert res["late_table"]["learnd-cold"]["j"]["median"] == pytest.approx(1.0)
+    assert res["late_table"]["default"]["j"]["median"] == pytest.approx(1.25)
+    md = learn_real.markdown({"when": "now", "commit": "x", "rounds": 1, "seconds": 100, "small": False,
+                              "programs": {"p": res}})
+    assert "| p | learnd-cold | 1 | 1 (1–1) | 0.800× | 1.000× |" in md
+
+
+def test_the_cpu_so_far_counts_live_processes_and_their_children(tmp_path):
+    ctx = learn_real.Ctx(tmp_path, None, tmp_path / "none", {}, 10.0, False)
+    try:
+        # A live process whose own child burned CPU and was waited for:
+        # the child's time is in its parent's cutime, counted once.
+        p = ctx.spawn([sys.executable, "-c", "import subprocess, sys, time; subprocess.run([sys.executable, '-c', "
+                       "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.4: pass']); "
+                       "print(flush=True); time.sleep(30)"], stdout=subprocess.PIPE)
+        p.stdout.readline()
+        assert 0.4 <= ctx.cpu_now() < 2.0
+    finally:
+        ctx.close()
+
+
 def test_glibc_is_a_reference_never_the_best_static_policy():
     res = {"deterministic": True, "runs": [run("default", 100, 100), run("glibc", 400, 10),
                                            run("cap=4", 90, 100)]}

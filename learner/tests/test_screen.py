@@ -938,20 +938,61 @@ for k in range(n):
 """
 
 
-def _gate_record(gate, t0, seconds):
-    """(time since t0, gate byte) every 5 ms for `seconds`."""
+def _gate_record(gate, t0, seconds, pid):
+    """(time since t0, gate byte, the program's CPU seconds) every 5 ms for `seconds`."""
+    import ctypes
     import time
+    clock = ctypes.c_int32((~pid << 3) | 2).value      # the pid's process CPU clock, as the gate reads it
     out = []
     while time.monotonic() < t0 + seconds:         # what a replay reads: its read-only descriptor
-        out.append((time.monotonic() - t0, os.pread(gate.ro, 1, 0) == b"\1"))
+        try:
+            cpu = time.clock_gettime_ns(clock) / 1e9
+        except OSError:                            # the program is gone
+            cpu = out[-1][2] if out else 0.0
+        out.append((time.monotonic() - t0, os.pread(gate.ro, 1, 0) == b"\1", cpu))
         time.sleep(0.005)
     return out
 
 
 def _share_closed(rec, a, b):
-    xs = [c for t, c in rec if a <= t < b]
+    xs = [c for t, c, _ in rec if a <= t < b]
     assert xs, (a, b)
     return sum(xs) / len(xs)
+
+
+# A reading of the program's CPU outside its scripted bursts that a gate
+# would take for a burst's start: its waking thread takes 60-150 us a wake
+# here, and 0.5-0.7 ms in about one run of ten, which the gate rightly
+# reads as the program running (BUSY_SHARE of 5 ms) and closes for
+# QUIET_S. In CI and here such a wake in the idle time failed these tests
+# one run in 7-15 (closed in the idle time, or a start 41 ms early).
+STRAY_CPU_S = 0.0004
+
+
+def _strays(rec, bursts, wall, after):
+    """Readings past `after` where the program ran STRAY_CPU_S or more,
+    none of whose interval meets a burst (from b - 10 ms to b + wall)."""
+    out = []
+    for (t0, _, c0), (t, _, c) in zip(rec, rec[1:]):
+        if t >= after and c - c0 >= STRAY_CPU_S and not any(t >= b - 0.01 and t0 <= b + wall for b in bursts):
+            out.append((round(t, 3), round((c - c0) * 1e3, 2)))
+    return out
+
+
+def _gate_attempts(attempt, tries=3):
+    """Runs `attempt` (returns the problems it saw and the program's
+    strays) until it sees none. Problems without a stray fail at once:
+    the gate itself was wrong. Problems beside a stray (the machine ran
+    the program when it was idle, and the gate closed for it as it should)
+    are tried again, at most `tries` times in all."""
+    seen = []
+    for _ in range(tries):
+        problems, strays = attempt()
+        if not problems:
+            return
+        assert strays, problems
+        seen.append((problems, strays))
+    pytest.fail(f"the program ran outside its bursts in each of {tries} attempts: {seen}")
 
 
 def _watched(n, busy, period, seconds):
@@ -965,7 +1006,7 @@ def _watched(n, busy, period, seconds):
     child = subprocess.Popen([sys.executable, "-c", BURSTY_CHILD, repr(t0), str(n), str(busy), str(period)])
     gate = Gate(child.pid)
     try:
-        return gate, _gate_record(gate, t0, seconds)
+        return gate, _gate_record(gate, t0, seconds, child.pid)
     finally:
         child.kill()
         child.wait()
@@ -978,16 +1019,24 @@ def test_the_gate_closes_through_each_burst_and_before_the_next_one_is_due():
     second before the next one is due, and open in between."""
     from hakmem.screen import Gate
     assert Gate.QUIET_S < 0.3 and Gate.MARGIN_S == 0.5
-    gate, rec = _watched(5, 0.1, 1.2, 5.6)
-    gate.close()
-    assert gate.fd is None and gate.ro is None
-    for k in (2, 3):
-        b = 1.2 * k
-        assert _share_closed(rec, b + 0.03, b + 0.09) >= 0.8, f"open in burst {k}"
-        assert _share_closed(rec, b + 0.12, b + 0.3) >= 0.8, f"open right after burst {k}"
-        assert _share_closed(rec, b + 0.45, b + 0.62) <= 0.2, f"closed in the idle time after burst {k}"
-        assert _share_closed(rec, b + 0.8, b + 1.15) >= 0.8, f"open before burst {k + 1} was due"
-    assert gate.period() == pytest.approx(1.2, abs=0.1)
+
+    def attempt():
+        gate, rec = _watched(5, 0.1, 1.2, 5.6)
+        gate.close()
+        assert gate.fd is None and gate.ro is None
+        problems = []
+        for k in (2, 3):
+            b = 1.2 * k
+            for ok, what in ((_share_closed(rec, b + 0.03, b + 0.09) >= 0.8, "open in burst"),
+                             (_share_closed(rec, b + 0.12, b + 0.3) >= 0.8, "open right after burst"),
+                             (_share_closed(rec, b + 0.45, b + 0.62) <= 0.2, "closed in the idle time after burst"),
+                             (_share_closed(rec, b + 0.8, b + 1.15) >= 0.8, "open before the burst after burst")):
+                if not ok:
+                    problems.append(f"{what} {k}")
+        if gate.period() != pytest.approx(1.2, abs=0.1):
+            problems.append(f"period {gate.period()}")
+        return problems, _strays(rec, [1.2 * k for k in range(5)], 0.12, 0.3)
+    _gate_attempts(attempt)
 
 
 SHORT_BURSTS_CHILD = r"""
@@ -1023,30 +1072,39 @@ def test_the_gate_sees_every_burst_shorter_than_a_clock_tick_and_no_thread_wakin
     import time
     from hakmem.screen import Gate
     n, busy, period = 5, 0.004, 1.2
-    t0 = time.monotonic() + 1.0
-    child = subprocess.Popen([sys.executable, "-c", SHORT_BURSTS_CHILD, repr(t0), str(n), str(busy), str(period)])
-    # Watched once the interpreter is up: its start is a burst too, and
-    # 0.4 s before the first it gave a period of 0.4 s, the gate closed
-    # for MAX_CLOSED_S and then stood open as long, to within 10 ms of the
-    # third burst's margin (it failed on that twice in about 25 runs here).
-    time.sleep(0.6)
-    gate = Gate(child.pid)
-    try:
-        rec = _gate_record(gate, t0, n * period - 0.3)
-    finally:
-        child.kill()
-        child.wait()
-        gate.close()
-    starts = [s - t0 for s in gate.starts if s - t0 > -0.2]     # not the interpreter's own start
-    want = [k * period for k in range(n)]
-    assert len(starts) == n, (starts, want)
-    for s, w in zip(starts, want):
-        assert w - 0.01 <= s <= w + 0.06, (starts, want)
-    assert gate.period() == pytest.approx(period, abs=0.02)
-    for k in range(2, n):
-        b = k * period
-        assert _share_closed(rec, b - 0.45, b + 0.2) >= 0.9, f"open around burst {k}: {rec}"
-        assert _share_closed(rec, b + 0.35, b + 0.6) <= 0.1, f"closed in the idle time after burst {k}: {rec}"
+
+    def attempt():
+        t0 = time.monotonic() + 1.0
+        child = subprocess.Popen([sys.executable, "-c", SHORT_BURSTS_CHILD, repr(t0), str(n), str(busy), str(period)])
+        # Watched once the interpreter is up: its start is a burst too, and
+        # 0.4 s before the first it gave a period of 0.4 s, the gate closed
+        # for MAX_CLOSED_S and then stood open as long, to within 10 ms of the
+        # third burst's margin (it failed on that twice in about 25 runs here).
+        time.sleep(0.6)
+        gate = Gate(child.pid)
+        try:
+            rec = _gate_record(gate, t0, n * period - 0.3, child.pid)
+        finally:
+            child.kill()
+            child.wait()
+            gate.close()
+        starts = [s - t0 for s in gate.starts if s - t0 > -0.2]     # not the interpreter's own start
+        want = [k * period for k in range(n)]
+        problems = []
+        if len(starts) != n or not all(w - 0.01 <= s <= w + 0.06 for s, w in zip(starts, want)):
+            problems.append(f"starts {starts}, want {want}")
+        if gate.period() != pytest.approx(period, abs=0.02):
+            problems.append(f"period {gate.period()}")
+        for k in range(2, n):
+            b = k * period
+            if _share_closed(rec, b - 0.45, b + 0.2) < 0.9:
+                problems.append(f"open around burst {k}")
+            if _share_closed(rec, b + 0.35, b + 0.6) > 0.1:
+                problems.append(f"closed in the idle time after burst {k}")
+        if problems:
+            problems.append("closed " + " ".join(f"{t:.3f}" for (_, a, _), (t, c, _) in zip(rec, rec[1:]) if c and not a))
+        return problems, _strays(rec, want, 0.05, -0.4)
+    _gate_attempts(attempt)
 
 
 def _scripted_gate(ran):

@@ -351,6 +351,75 @@ def test_a_gate_nobody_opens_slows_a_replay_and_never_stops_it(tmp_path):
     assert run["wall_s"] >= run["held_s"] + 0.28, "the trace's gap was eaten by the holds"
 
 
+def family(pid):
+    """pid and its descendants (a replay runs each run in a child)."""
+    out, todo = [], [pid]
+    while todo:
+        q = todo.pop()
+        out.append(q)
+        with contextlib.suppress(OSError):
+            for t in os.listdir(f"/proc/{q}/task"):
+                with open(f"/proc/{q}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return out
+
+
+def threads_of(pids):
+    n = 0
+    for q in pids:
+        with contextlib.suppress(OSError):
+            n += len(os.listdir(f"/proc/{q}/task"))
+    return n
+
+
+def task_cpu_ns(pids):
+    """CPU time of every thread of pids so far, in ns (schedstat's first field)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                        total += int(f.read().split()[0])
+    return total
+
+
+def test_threads_held_at_a_closed_gate_sleep_while_one_of_them_looks(tmp_path):
+    """learnd holds up to 9 replays at once on one CPU, and a replay has a
+    thread for each of the trace's: held, each polled the gate's byte every
+    millisecond (a 64-thread trace: 303 ms of CPU and 120,000 context
+    switches in 4 s held, about 0.7 of a CPU for 9 such replays). One thread
+    looks; the rest sleep until it sees the gate open, and then every thread
+    goes on at once."""
+    tr, gate = tmp_path / "wide.trace", tmp_path / "gate"
+    w = TraceWriter(tr, pid=1, exe="/usr/bin/wide")
+    for t in range(1, 65):
+        w.chunk(t, [(MALLOC, 64, 0, 0x100000 * t, 0, 1000 + t), (FREE, 0, 0, 0x100000 * t, 0, 2000 + t)])
+    w.close()
+    gate.write_bytes(b"\1")
+    p = subprocess.Popen([str(REPLAY), "--json", "--gate", str(gate), str(tr)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        # Held 2 s before it loads the trace (a hold's bound), then its 64
+        # threads are held at their first events for up to 2 s more.
+        wait_for(lambda: threads_of(family(p.pid)) > 64, timeout=10, what="the replay's 64 threads")
+        time.sleep(0.3)
+        pids = family(p.pid)
+        c0, t0 = task_cpu_ns(pids), time.monotonic()
+        time.sleep(1.0)
+        used = (task_cpu_ns(pids) - c0) / (time.monotonic() - t0) / 1e9
+        assert p.poll() is None, "the replay was not held"
+        assert used < 0.03, f"64 held threads took {used:.3f} of a CPU"
+        opened = time.monotonic()
+        run = open_the_gate(p, gate)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert run["ops"] == 128
+    assert time.monotonic() - opened < scaled(1.0), "the held threads did not go on when the gate opened"
+    assert 64 * 1.0 <= run["held_s"] <= 64 * 2.2, run
+
+
 def late_peak_trace(path, mib=32):
     """One thread: a small block at once, 1.2 s of nothing, then `mib` MiB
     in 64 KiB blocks held until the trace ends at 1.5 s: a time-averaged

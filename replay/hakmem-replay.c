@@ -524,19 +524,54 @@ static void open_gate(void) {
   gate = m;
 }
 
+/* A thread that frees or reallocates another thread's object waits until
+ * that thread has made it. It spun and yielded for as long as that took:
+ * behind a thread held at the gate, sleeping through one of the trace's
+ * idle gaps, or starved at nice 19 beside learnd's other replays. learnd's
+ * 18 replays of a 6-s MariaDB trace (70 threads, 9 at once on one CPU)
+ * took 33 s of CPU in 49 s, the program's other CPU, which its own threads
+ * wanted (learn_real, cold run at b963507: throughput 0.87x the default's).
+ * So a waiter spins briefly, then sleeps on obj_gen, which a thread that
+ * makes an object bumps and wakes while anyone waits. */
+#define OBJ_SPIN_YIELDS 16
+#define OBJ_WAIT_NS 100000000L            /* a sleeping waiter looks again at least this often */
+#define OBJ_STUCK_NS 60000000000ull       /* and gives the replay up as stuck after this long */
+static _Atomic uint32_t obj_gen, obj_waiters;
+
+/* Every object's making goes through here. Sequentially
+ * consistent with wait_obj's steps: either the maker sees the waiter and
+ * wakes it, or the waiter sees the object before it sleeps. */
+static void put_obj(int64_t id, void* p) {
+  atomic_store(&objs[id], p);
+  if (p && atomic_load(&obj_waiters)) {
+    atomic_fetch_add(&obj_gen, 1);
+    syscall(SYS_futex, (uint32_t*)&obj_gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+  }
+}
+
 /* The object's block, once its allocating thread has made it. */
 static void* wait_obj(int64_t id) {
   void* p;
-  unsigned spins = 0;
-  uint64_t yields = 0;
+  unsigned spins = 0, yields = 0;
   while (!(p = atomic_load_explicit(&objs[id], memory_order_acquire))) {
     if (++spins < 64) { __builtin_ia32_pause(); continue; }
     spins = 0;
-    sched_yield();
-    if (++yields > 20000000 || atomic_load_explicit(&stuck, memory_order_relaxed)) {
-      atomic_store(&stuck, 1);
-      return NULL;
+    if (atomic_load_explicit(&stuck, memory_order_relaxed)) return NULL;
+    if (++yields <= OBJ_SPIN_YIELDS) { sched_yield(); continue; }
+    uint64_t t0 = now_ns();
+    atomic_fetch_add(&obj_waiters, 1);
+    for (;;) {
+      uint32_t gen = atomic_load(&obj_gen);
+      if ((p = atomic_load(&objs[id])) != NULL) break;
+      if (atomic_load_explicit(&stuck, memory_order_relaxed) || now_ns() - t0 > OBJ_STUCK_NS) {
+        atomic_store(&stuck, 1);
+        break;
+      }
+      struct timespec ts = {0, OBJ_WAIT_NS};
+      syscall(SYS_futex, (uint32_t*)&obj_gen, FUTEX_WAIT_PRIVATE, gen, &ts, NULL, 0);
     }
+    atomic_fetch_sub(&obj_waiters, 1);
+    return p;
   }
   return p;
 }
@@ -583,7 +618,7 @@ static void* replay_thread(void* arg) {
         if (e->old_obj >= 0) atomic_store_explicit(&objs[e->old_obj], NULL, memory_order_relaxed);
         p = realloc(q, e->size);
         if (p) touch(p, e->size < 64 ? e->size : 64);
-        atomic_store_explicit(&objs[e->obj], p ? p : (void*)1, memory_order_release);
+        put_obj(e->obj, p ? p : (void*)1);
         done++;
         continue;
       }
@@ -601,7 +636,7 @@ static void* replay_thread(void* arg) {
     }
     if (p) touch(p, e->size);
     /* A failed allocation still "exists" for its free to find: (void*)1. */
-    atomic_store_explicit(&objs[e->obj], p ? p : (void*)1, memory_order_release);
+    put_obj(e->obj, p ? p : (void*)1);
     done++;
   }
 out:

@@ -353,15 +353,10 @@ def test_a_gate_nobody_opens_slows_a_replay_and_never_stops_it(tmp_path):
 
 def family(pid):
     """pid and its descendants (a replay runs each run in a child)."""
-    out, todo = [], [pid]
-    while todo:
-        q = todo.pop()
-        out.append(q)
-        with contextlib.suppress(OSError):
-            for t in os.listdir(f"/proc/{q}/task"):
-                with open(f"/proc/{q}/task/{t}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-    return out
+    found = [pid]
+    for q in found:          # grows as it goes: each one's children are looked at in turn
+        found += children_of(q)
+    return found
 
 
 def threads_of(pids):

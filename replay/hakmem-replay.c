@@ -527,12 +527,12 @@ static void open_gate(void) {
 /* A thread that frees or reallocates another thread's object waits until
  * that thread has made it. It spun and yielded for as long as that took:
  * behind a thread held at the gate, sleeping through one of the trace's
- * idle gaps, or starved at nice 19 beside learnd's other replays. learnd's
- * 18 replays of a 6-s MariaDB trace (70 threads, 9 at once on one CPU)
- * took 33 s of CPU in 49 s, the program's other CPU, which its own threads
- * wanted (learn_real, cold run at b963507: throughput 0.87x the default's).
- * So a waiter spins briefly, then sleeps on obj_gen, which a thread that
- * makes an object bumps and wakes while anyone waits. */
+ * idle gaps, or starved at nice 19 beside learnd's other replays: a thread
+ * that waited 1.5 s so took 1.51 s of CPU (test_replayer). So a waiter
+ * spins briefly, then sleeps on obj_gen, which a thread that makes an
+ * object bumps and wakes while anyone waits. (learnd's replays of MariaDB's
+ * 70-thread traces took 22-30 us of CPU per traced event before and after
+ * this: there the spinning was not where their CPU went; README.) */
 #define OBJ_SPIN_YIELDS 16
 #define OBJ_WAIT_NS 100000000L            /* a sleeping waiter looks again at least this often */
 #define OBJ_STUCK_NS 60000000000ull       /* and gives the replay up as stuck after this long */

@@ -85,6 +85,7 @@ static const char *trace_fd_arg, *policy_fd_arg, *gate_fd_arg;
 static char trace_label[32], policy_label[32], gate_what[PATH_MAX + 16];   /* their names in messages */
 static const volatile uint8_t* gate;   /* --gate: its first byte nonzero while the watched program runs */
 static bool partial, touch_pages = true, json_out, pace_idle = true;
+static int group_nice = -1;      /* the session's scheduling group's niceness where --nice set it (nice_own_group) */
 #define GAP_NS 1000000u   /* --pace idle: a gap this long in a thread's events is kept */
 /* --gate: the held thread that looks does so this often (learnd's gate
  * itself reads the program's CPU clock every 5 ms); a wake here took about
@@ -1003,8 +1004,10 @@ static void print_json(run_t* runs, int n) {
   if (t->cut_reason[0]) json_str(t->cut_reason); else printf("null");
   printf("},\n \"policy\": ");
   print_policy(&runs[0].policy);
-  printf(",\n \"touch\": \"%s\", \"pace\": \"%s\", \"repeat\": %d,\n \"runs\": [", touch_pages ? "pages" : "none",
+  printf(",\n \"touch\": \"%s\", \"pace\": \"%s\", \"repeat\": %d, \"group_nice\": ", touch_pages ? "pages" : "none",
          pace_idle ? "idle" : "none", n);
+  if (group_nice >= 0) printf("%d", group_nice); else printf("null");
+  printf(",\n \"runs\": [");
   for (int k = 0; k < n; k++) {
     run_t* r = &runs[k];
     printf("%s\n  {\"wall_s\": %.9f, \"cpu_s\": %.6f, \"user_s\": %.6f, \"idle_s\": %.6f, \"held_s\": %.6f, \"peak_rss_bytes\": %" PRIu64
@@ -1092,7 +1095,8 @@ static void usage(FILE* f) {
     "                  thread waits while it is, at most 2 s at a time, and the waits are kept out of the\n"
     "                  pacing, the mean resident memory and the slow-path time (held_s reports them)\n"
     "  --gate-fd N     the same from descriptor N, open and inherited, mapped read-only and shared\n"
-    "  --nice N        run at niceness N (0-19), the runs too; set before anything else is done\n"
+    "  --nice N        run at niceness N (0-19), the runs too; set before anything else is done; where\n"
+    "                  this process leads a session of its own, its scheduling group (autogroup) too\n"
     "  --cpus LIST     run on these CPUs only (\"2-3,6\"), the runs too\n"
     "  --json          one JSON document on stdout\n"
     "  --trace-fd N    the trace from descriptor N instead of TRACE: open and inherited (a regular\n"
@@ -1146,6 +1150,41 @@ static void parse_cpus(const char* s, cpu_set_t* set) {
     if (*p++ != ',') break;
   }
   die(2, "--cpus: expected a list such as 0-3,6 (CPUs below %d), not '%s'", CPU_SETSIZE, s);
+}
+
+/* Where the kernel groups tasks by session (CONFIG_SCHED_AUTOGROUP, on
+ * in Debian's kernels), a session's group weighs as much as any other
+ * whatever its tasks' niceness: learnd starts each replay in a session of
+ * its own, and one at nice 19 took half of a CPU from a program at nice 0
+ * (2 busy loops on one CPU: 1.0 s each in 2 s). The group is niced too,
+ * and only a group that is this replay's own (a session it leads), never
+ * its caller's. The kernel lets an unprivileged caller change one group
+ * per 100 ms on the whole machine (EAGAIN), so up to ten tries 100 ms
+ * apart; a group already nicer stays as it is. The group's niceness, or
+ * -1: no autogroup here, not this process's own, or refused. */
+static int nice_own_group(int nice_to) {
+  if (getsid(0) != getpid()) return -1;
+  for (int tries = 0; tries < 10; tries++) {
+    int fd = open("/proc/self/autogroup", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    char b[64];
+    ssize_t n = read(fd, b, sizeof b - 1);
+    close(fd);
+    int now = 0;
+    const char* at = n > 0 ? (b[n] = 0, strstr(b, " nice ")) : NULL;
+    if (!at || sscanf(at, " nice %d", &now) != 1) return -1;
+    if (now >= nice_to) return now;
+    if ((fd = open("/proc/self/autogroup", O_WRONLY | O_CLOEXEC)) < 0) return -1;
+    int len = snprintf(b, sizeof b, "%d", nice_to);
+    ssize_t w = write(fd, b, (size_t)len);     /* the file takes no offset */
+    int e = errno;
+    close(fd);
+    if (w == len) return nice_to;
+    if (e != EAGAIN) return -1;
+    struct timespec ts = {0, 100 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+  }
+  return -1;
 }
 
 int main(int argc, char** argv) {
@@ -1208,6 +1247,7 @@ int main(int argc, char** argv) {
     int now = getpriority(PRIO_PROCESS, 0);          /* never raised back: already nicer is nice enough */
     if ((errno != 0 || now < nice_to) && setpriority(PRIO_PROCESS, 0, nice_to) != 0)
       die(2, "--nice %d: %s", nice_to, strerror(errno));
+    if (run_fd < 0) group_nice = nice_own_group(nice_to);
   }
   /* Dies with its parent (a run is set so by the replay before its exec,
    * which keeps it). The parent seen before the prctl is the one watched:

@@ -177,6 +177,9 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
         # Its own session: the terminal's Ctrl-C is the caller's to handle
         # (below); the replayer dies with its parent all the same
         # (PR_SET_PDEATHSIG), so a killed caller leaves no replay behind.
+        # Where the kernel schedules each session as a group (autogroup), a
+        # session of its own weighs as much as the program's whatever the
+        # replay's niceness: with --nice the replayer nices its group too.
         # Not under runner.lock: on a machine whose CPUs are taken a replay
         # may wait long for its exec, and stop() (learnd's loop, closing a
         # screening) would wait as long for the lock.

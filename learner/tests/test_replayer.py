@@ -529,6 +529,41 @@ def test_nice_and_cpus_are_the_replays_own_and_its_runs(tmp_path):
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
 
 
+def autogroup_nice(pid):
+    return int(open(f"/proc/{pid}/autogroup").read().split()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"),
+                    reason="this kernel does not group tasks by session (no CONFIG_SCHED_AUTOGROUP): nothing to nice")
+def test_a_replay_leading_its_own_session_nices_its_scheduling_group_and_no_other(tmp_path):
+    """learnd starts each replay in a session of its own, and where the
+    kernel schedules sessions as groups (autogroup) a group weighs the same
+    whatever its tasks' niceness: a replay at nice 19 took half a CPU from a
+    program at nice 0. With --nice, a replay that leads its own session
+    nices its group too (JSON: group_nice); one in its caller's session
+    leaves the caller's group as it was."""
+    tr, gate = tmp_path / "gap.trace", tmp_path / "gate"
+    gap_trace(tr)
+    gate.write_bytes(b"\1")
+    p = subprocess.Popen([str(REPLAY), "--json", "--nice", "19", "--gate", str(gate), str(tr)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True)
+    try:
+        wait_for(lambda: autogroup_nice(p.pid) == 19, 10, "the replay's own group niced to 19")
+        with open(gate, "r+b") as f:
+            f.write(b"\0")
+        out, err = p.communicate(timeout=scaled(30))
+        assert p.returncode == 0, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert json.loads(out)["group_nice"] == 19
+    mine = autogroup_nice(os.getpid())
+    assert mine < 19, "this test's own group is niced already: it cannot tell"
+    doc = replay_json("--nice", "19", tr)
+    assert doc["group_nice"] is None and autogroup_nice(os.getpid()) == mine
+    assert replay_json(tr)["group_nice"] is None
+
+
 @pytest.mark.parametrize("kind", ["link", "missing", "empty", "directory", "fifo"])
 def test_a_gate_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, kind):
     tr, gate = tmp_path / "gap.trace", tmp_path / "gate"

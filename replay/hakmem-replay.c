@@ -85,7 +85,8 @@ static const char *trace_fd_arg, *policy_fd_arg, *gate_fd_arg;
 static char trace_label[32], policy_label[32], gate_what[PATH_MAX + 16];   /* their names in messages */
 static const volatile uint8_t* gate;   /* --gate: its first byte nonzero while the watched program runs */
 static bool partial, touch_pages = true, json_out, pace_idle = true;
-static int group_nice = -1;      /* the session's scheduling group's niceness where --nice set it (nice_own_group) */
+static int group_nice = -1;
+static char stuck_arg[32];       /* --stuck-after as given, for the runs */      /* the session's scheduling group's niceness where --nice set it (nice_own_group) */
 #define GAP_NS 1000000u   /* --pace idle: a gap this long in a thread's events is kept */
 /* --gate: the held thread that looks does so this often (learnd's gate
  * itself reads the program's CPU clock every 5 ms); a wake here took about
@@ -536,7 +537,12 @@ static void open_gate(void) {
  * this: there the spinning was not where their CPU went; README.) */
 #define OBJ_SPIN_YIELDS 16
 #define OBJ_WAIT_NS 100000000L            /* a sleeping waiter looks again at least this often */
-#define OBJ_STUCK_NS 60000000000ull       /* and gives the replay up as stuck after this long */
+/* A waiter gives the replay up as stuck once no thread has made an object
+ * for this long (--stuck-after): a thread that does, however slowly, is
+ * progress. Counted from the wait's start, a replay starved beside a busy
+ * program (its group niced to 19, nice_own_group) was given up in learnd's
+ * screening of MariaDB: "a thread waited over a minute". */
+static uint64_t stuck_ns = 60000000000ull;
 static _Atomic uint32_t obj_gen, obj_waiters;
 
 /* Every object's making goes through here. Sequentially
@@ -561,10 +567,13 @@ static void* wait_obj(int64_t id) {
     if (++yields <= OBJ_SPIN_YIELDS) { sched_yield(); continue; }
     uint64_t t0 = now_ns();
     atomic_fetch_add(&obj_waiters, 1);
+    uint32_t seen = atomic_load(&obj_gen);
     for (;;) {
       uint32_t gen = atomic_load(&obj_gen);
       if ((p = atomic_load(&objs[id])) != NULL) break;
-      if (atomic_load_explicit(&stuck, memory_order_relaxed) || now_ns() - t0 > OBJ_STUCK_NS) {
+      uint64_t now = now_ns();
+      if (gen != seen) seen = gen, t0 = now;    /* while anyone waits, every object made bumps obj_gen */
+      if (atomic_load_explicit(&stuck, memory_order_relaxed) || now - t0 > stuck_ns) {
         atomic_store(&stuck, 1);
         break;
       }
@@ -897,8 +906,8 @@ static int run_once(int out_fd) {
   getrusage(RUSAGE_SELF, &u1);
   hk_stats_get(&s1);
   if (atomic_load(&stuck))
-    die(1, "%s: replay stuck: a thread waited over a minute for an object another thread never made "
-        "(events out of time order?)", trace_path);
+    die(1, "%s: replay stuck: a thread waited for another thread's object while no thread made one for %.0f s "
+        "(events out of time order?)", trace_path, (double)stuck_ns / 1e9);
   /* The replayed program's peak: above what loading the trace took (its
    * tables live in the same process and are the same for every policy). */
   uint64_t hwm = status_kb("VmHWM:") * 1024;
@@ -1067,7 +1076,8 @@ static void print_text(run_t* runs, int n) {
 static void usage(FILE* f) {
   fprintf(f,
     "usage: hakmem-replay [--policy FILE | --policy-fd N] [--repeat N] [--partial] [--touch pages|none]\n"
-    "                     [--pace idle|none] [--gate FILE | --gate-fd N] [--nice N] [--cpus LIST] [--json]\n"
+    "                     [--pace idle|none] [--gate FILE | --gate-fd N] [--nice N] [--cpus LIST]\n"
+    "                     [--stuck-after S] [--json]\n"
     "                     TRACE | --trace-fd N\n"
     "\n"
     "Replays an allocation trace (HAKMEM_TRACE, `hakmem trace record`) through hakmem under a fixed\n"
@@ -1098,6 +1108,8 @@ static void usage(FILE* f) {
     "  --nice N        run at niceness N (0-19), the runs too; set before anything else is done; where\n"
     "                  this process leads a session of its own, its scheduling group (autogroup) too\n"
     "  --cpus LIST     run on these CPUs only (\"2-3,6\"), the runs too\n"
+    "  --stuck-after S give the replay up as stuck (exit 1) once a thread has waited for another\n"
+    "                  thread's object while no thread made one for S seconds (default 60)\n"
     "  --json          one JSON document on stdout\n"
     "  --trace-fd N    the trace from descriptor N instead of TRACE: open and inherited (a regular\n"
     "                  file: a memfd counts), read from offset 0 and never reopened by a name; named\n"
@@ -1227,6 +1239,14 @@ int main(int argc, char** argv) {
       nice_to = (int)v;
     } else if (!strcmp(a, "--cpus") && i + 1 < argc) {
       cpus_arg = argv[++i];
+    } else if (!strcmp(a, "--stuck-after") && i + 1 < argc) {
+      char* end;
+      errno = 0;
+      double v = strtod(argv[++i], &end);
+      if (*end || end == argv[i] || errno || !(v >= 0.1 && v <= 86400))
+        die(2, "--stuck-after: expected seconds from 0.1 to 86400, not '%s'", argv[i]);
+      stuck_ns = (uint64_t)(v * 1e9);
+      snprintf(stuck_arg, sizeof stuck_arg, "%.3f", v);
     } else if (!strcmp(a, "--run-fd") && i + 1 < argc) run_fd = atoi(argv[++i]);
     else if (a[0] == '-' && a[1]) die(2, "unknown option '%s' (see --help)", a);
     else if (!trace_path) trace_path = a;
@@ -1298,6 +1318,7 @@ int main(int argc, char** argv) {
       if (partial) args[n++] = "--partial";
       if (!touch_pages) { args[n++] = "--touch"; args[n++] = "none"; }
       if (!pace_idle) { args[n++] = "--pace"; args[n++] = "none"; }
+      if (stuck_arg[0]) { args[n++] = "--stuck-after"; args[n++] = stuck_arg; }
       if (gate_fd >= 0) { args[n++] = "--gate-fd"; args[n++] = (char*)gate_fd_arg; }
       else if (gate_path) { args[n++] = "--gate"; args[n++] = (char*)gate_path; }
       if (trace_fd >= 0) { args[n++] = "--trace-fd"; args[n++] = (char*)trace_fd_arg; }

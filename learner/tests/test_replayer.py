@@ -437,6 +437,40 @@ def test_a_thread_waiting_for_another_threads_object_sleeps(tmp_path):
     assert run["cpu_s"] < 0.3, f"the waiting thread took {run['cpu_s']:.2f} s of CPU in {run['wall_s']:.2f} s"
 
 
+def test_a_slow_thread_is_not_a_stuck_one(tmp_path):
+    """A thread waiting for another thread's object gives the replay up as
+    stuck only once no thread has made an object for --stuck-after: thread
+    2 reaches at once its free of an object thread 1 makes 2.4 s into the
+    trace (test above); thread 1
+    makes one every 0.3 s before it, so the 2.4-s wait is progress and the
+    replay ends well under a 1-s bound (counted from the wait's start, a
+    replay starved beside a busy program was given up). Where thread 1
+    only sleeps until then, nothing is made for 2.4 s: stuck, in one line."""
+    x = 0x900000
+
+    def trace(path, steps):
+        w = TraceWriter(path, pid=1, exe="/usr/bin/slowobj")
+        evs = []
+        for k in range(1, 8 if steps else 0):
+            evs += [(MALLOC, 64, 0, 0x1000, 0, 300_000_000 * k), (FREE, 0, 0, 0x1000, 0, 300_000_000 * k + 100)]
+        w.chunk(1, evs + [(MALLOC, 4096, 0, x, 0, 2_400_000_000)])
+        # 0.5 ms apart: no gap the replay keeps; at the free it waits ~2.4 s
+        evs = [((MALLOC, 32, 0, 0x400000, 0) if k % 2 == 0 else (FREE, 0, 0, 0x400000, 0)) + (1000 + 500_000 * k,)
+               for k in range(4800)]
+        w.chunk(2, evs + [(FREE, 0, 0, x, 0, 2_400_000_200)])
+        w.close()
+    slow, stuck = tmp_path / "slow.trace", tmp_path / "stuck.trace"
+    trace(slow, True)
+    trace(stuck, False)
+    run = replay_json("--stuck-after", "1", slow, timeout=30)["runs"][0]
+    assert run["ops"] == 14 + 1 + 4801 and run["wall_s"] >= 2.3, run
+    r = replay("--stuck-after", "1", stuck, check=False, timeout=30)
+    assert r.returncode == 1 and "replay stuck" in r.stderr and "for 1 s" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = replay("--stuck-after", "0", slow, check=False)
+    assert r.returncode == 2 and "--stuck-after: expected seconds" in r.stderr
+
+
 def late_peak_trace(path, mib=32):
     """One thread: a small block at once, 1.2 s of nothing, then `mib` MiB
     in 64 KiB blocks held until the trace ends at 1.5 s: a time-averaged

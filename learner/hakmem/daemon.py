@@ -833,6 +833,12 @@ class Daemon:
         scr = prog.screen
         ranked = scr.step(list(prog.procs.values()), now_mono)
         if ranked is None:
+            # Replays under way have their own bound (REPLAY_TIMEOUT_S each):
+            # the learner waits for them however long a busy machine leaves
+            # them to run, keeping the incumbent, rather than search blind.
+            if scr.state == scr.REPLAY and getattr(scr, "learner", None) is prog.learner and \
+                    hasattr(prog.learner, "screen_alive"):
+                prog.learner.screen_alive()
             return
         prog.screen = None
         if getattr(scr, "learner", None) is not prog.learner:

@@ -157,6 +157,22 @@ def test_gp_searches_on_its_own_when_the_screen_fails_or_never_answers():
     assert decisions and 10 <= decisions[0][0] <= 12, decisions[0]
 
 
+def test_gp_waits_for_replays_under_way_however_long_they_take():
+    """learnd says each window its screening's replays are still running
+    (screen_alive): no window count ends the wait while they run (they have
+    their own bound; on a busy machine they run slowly), and the incumbent
+    stays. Once they stop being said to run, the wait's own bound counts
+    from there."""
+    ctx = make_ctx()
+    sim = Sim(ctx)
+    lrn = GPLearner(seed=0, screen_wait_windows=10)
+    lrn.start(ctx, ctx.default, [])
+    lrn.screening()
+    decisions, in_force, _ = drive_started(lrn, sim, ctx, 60, before_window=lambda i: i < 40 and lrn.screen_alive())
+    assert decisions and 48 <= decisions[0][0] <= 51, decisions[0]
+    assert all(same(k, ctx.default) for k in in_force[:decisions[0][0]])
+
+
 def test_gp_keeps_the_default_when_the_replay_ranks_nothing_cheaper():
     ctx = make_ctx()
     sim = Sim(ctx, allocs=1.0, slab_rate=0.0, penalty=lambda k: 1.0 if same(k, ctx.default) else 1.2)
@@ -191,12 +207,12 @@ def tried(decisions):
     return out
 
 
-def drive_started(lrn, sim, ctx, n):
+def drive_started(lrn, sim, ctx, n, before_window=None):
     """drive() for a learner already started (its start() decision was None)."""
     start = lrn.start
     lrn.start = lambda *a, **k: None
     try:
-        return drive(lrn, sim, ctx, n)
+        return drive(lrn, sim, ctx, n, before_window=before_window)
     finally:
         lrn.start = start
 

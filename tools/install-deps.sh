@@ -37,7 +37,7 @@ for group in "$@"; do
     base) pkgs+=("${base[@]}") ;;
     postgresql) pkgs+=(postgresql) ;;
     redis) pkgs+=(redis-server redis-tools) ;;
-    ops) pkgs+=(systemd) ;;
+    ops) pkgs+=(systemd strace) ;;     # strace: test_make_install traces a replay to check the unit allows it
     learn-real) pkgs+=(jq) ;;
     mariadb) pkgs+=(mariadb-server mariadb-client sysbench); no_start=1 ;;
     *) echo "install-deps: unknown group '$group' (groups: base, postgresql, redis, ops, learn-real, mariadb)" >&2; exit 2 ;;

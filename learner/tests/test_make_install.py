@@ -16,6 +16,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import sysconfig
 import tempfile
 
@@ -67,9 +68,9 @@ def run(cmd, env=None, cwd=ROOT, timeout=300, check=True):
 
 @pytest.fixture(scope="module")
 def dest():
-    if shutil.which("systemd-analyze") is None and os.geteuid() == 0:
+    if (shutil.which("systemd-analyze") is None or shutil.which("strace") is None) and os.geteuid() == 0:
         run([ROOT / "tools" / "install-deps.sh", "ops"], timeout=900)     # Debian's systemd: a container may lack it
-    for tool in ("pkg-config", "systemd-analyze", "systemd-tmpfiles"):
+    for tool in ("pkg-config", "systemd-analyze", "systemd-tmpfiles", "strace"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} missing (tools/install-deps.sh base ops installs it)")
     d = pathlib.Path(tempfile.mkdtemp(prefix="hk-destdir-"))
@@ -147,6 +148,63 @@ def test_the_python_package_and_systemd_files_install(dest, tmp_path):
     modes = {p: stat.S_IMODE((tmproot / p).stat().st_mode) for p in ("dev/shm/hakmem", "run/hakmem", "var/lib/hakmem")}
     assert modes == {"dev/shm/hakmem": 0o1777, "run/hakmem": 0o700, "var/lib/hakmem": 0o700}, modes
     assert all((tmproot / p).stat().st_uid == 0 for p in modes)
+
+
+def unit_allows(unit_text):
+    """The system calls the unit's SystemCallFilter= lines allow, merged as
+    systemd merges them (the first line an allow list, each ~ line after it
+    taking calls out), the groups expanded by systemd-analyze."""
+    groups, cur = {}, None
+    for ln in run(["systemd-analyze", "syscall-filter", "--no-pager"]).stdout.splitlines():
+        if ln.startswith("@"):
+            cur = groups.setdefault(ln.split()[0], [])
+        elif ln.startswith("#") or not ln.strip():
+            cur = None
+        elif cur is not None and not ln.strip().startswith("#"):
+            cur.append(ln.split()[0])
+
+    def expand(names):
+        return set().union(*[expand(groups[n]) if n.startswith("@") else {n} for n in names])
+    lines = [ln.split("=", 1)[1] for ln in unit_text.splitlines() if ln.startswith("SystemCallFilter=")]
+    assert lines and not lines[0].startswith("~") and all(ln.startswith("~") for ln in lines[1:]), lines
+    allowed = expand(lines[0].split())
+    for ln in lines[1:]:
+        allowed -= expand(ln[1:].split())
+    return allowed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="learnd runs a replay as the traced program's user only as root")
+def test_the_unit_lets_a_screening_replay_run_as_the_programs_user_niced(dest, tmp_path):
+    """A screening's replay as learnd runs it under the unit, traced: as the
+    traced program's user (the fork's setgroups, setregid, setreuid), niced
+    and on chosen CPUs (hakmem-replay's setpriority, sched_setaffinity).
+    Every call its processes make is one the unit's filter allows, and the
+    unit keeps CAP_SETUID and CAP_SETGID. The unit denied @resources and
+    @setuid whole, and lacked both: under it every replay failed at its
+    first call and learnd searched blind."""
+    sys.path.insert(0, str(ROOT / "learner" / "tests"))
+    from test_replayer import gap_trace
+    text = (dest / "etc" / "systemd" / "system" / "hakmem-learnd.service").read_text()
+    caps = next(ln for ln in text.splitlines() if ln.startswith("CapabilityBoundingSet=")).split("=", 1)[1].split()
+    assert {"CAP_SETUID", "CAP_SETGID"} <= set(caps), caps
+    tr = tmp_path / "gap.trace"
+    gap_trace(tr)
+    log = tmp_path / "strace.txt"
+    # The trace by descriptor, a sealed copy, as learnd hands it over.
+    code = ("import sys; from hakmem.replay import run_replayer, sealed_copy; "
+            "fd = sealed_copy('trace', open(sys.argv[1], 'rb').read()); "
+            "r = run_replayer(fd, {'drain_ms': 100}, user=65534, nice=19, cpus={0}, replayer=sys.argv[2]); "
+            "print(r['group_nice'], r['runs'][0]['ops'])")
+    r = run(["strace", "-f", "-qq", "-o", log, sys.executable, "-c", code, tr, BUILD / "hakmem-replay"], cwd=tmp_path)
+    assert r.stdout.split()[-1] == "200", r.stdout
+    lines = log.read_text().splitlines()
+    main = lines[0].split()[0]
+    # The replay's processes: the fork that drops to the user, the replayer, its run.
+    used = {m.group(2) for m in (re.match(r"(\d+)\s+(?:<\.\.\. )?([a-z_0-9]+)[( ]", ln) for ln in lines)
+            if m and m.group(1) != main}
+    assert {"setreuid", "setpriority", "sched_setaffinity", "execve"} <= used, sorted(used)
+    denied = used - unit_allows(text)
+    assert not denied, f"the unit denies what a replay calls: {sorted(denied)}"
 
 
 def test_uninstall_leaves_only_the_admins_configuration(dest):

@@ -84,16 +84,16 @@ static int trace_fd = -1, policy_fd = -1, gate_fd = -1;
 static const char *trace_fd_arg, *policy_fd_arg, *gate_fd_arg;
 static char trace_label[32], policy_label[32], gate_what[PATH_MAX + 16];   /* their names in messages */
 static const volatile uint8_t* gate;   /* --gate: its first byte nonzero while the watched program runs */
+static uint32_t* gate_word;             /* the 4 bytes from it: the futex learnd wakes at the opening */
 static bool partial, touch_pages = true, json_out, pace_idle = true;
-static int group_nice = -1;
-static char stuck_arg[32];       /* --stuck-after as given, for the runs */      /* the session's scheduling group's niceness where --nice set it (nice_own_group) */
+static int group_nice = -1;      /* the session's scheduling group's niceness where --nice set it (nice_own_group) */
+static char stuck_arg[32];       /* --stuck-after as given, for the runs */
 #define GAP_NS 1000000u   /* --pace idle: a gap this long in a thread's events is kept */
-/* --gate: the held thread that looks does so this often (learnd's gate
- * itself reads the program's CPU clock every 5 ms); a wake here took about
- * 20 us of CPU on this VM, so every 1 ms it was 2% of a CPU a replay ... */
-#define GATE_POLL_NS 5000000L
-#define GATE_MAX_HOLD_NS 2000000000ull        /* ... and goes on after this long, whatever the gate says */
-#define GATE_FOLLOW_NS 500000000ull           /* a thread waiting on the one that looks checks itself this often */
+/* --gate: the held thread that looks sleeps on the gate's first word, and
+ * learnd wakes it as it opens the gate (screen.Gate); a gate nobody wakes
+ * (a file written by hand) is seen open within this long ... */
+#define GATE_LOOK_NS 100000000L
+#define GATE_MAX_HOLD_NS 2000000000ull        /* ... and a hold ends after this long, whatever the gate says */
 static int repeat = 1;
 /* A trace lasts its footer's duration, and no longer than its file was
  * being written (from its header's start to the file's last change): no
@@ -472,15 +472,18 @@ static void touch(void* p, uint64_t n) {
  * running. The gate is learnd's file; a hold is bounded here all the same,
  * so a gate nobody opens slows a replay down and never stops it.
  *
- * One held thread of the process looks at the byte every GATE_POLL_NS; the
- * others sleep on a futex until it sees the gate open (or a hold's bound,
- * or GATE_FOLLOW_NS, passes). Each thread polling on its own, a replay of a
+ * One held thread of the process looks at the byte, sleeping on the gate's
+ * word in between (learnd wakes it at the opening; else it looks every
+ * GATE_LOOK_NS); the others sleep on a private futex until it sees the gate
+ * open, or their hold's bound passes. Each thread polling on its own, a replay of a
  * 64-thread trace held at a closed gate took 303 ms of CPU and 120,000
  * context switches in 4 s (perf stat, nice 19 on one CPU), and learnd holds
  * 9 replays at once on one CPU: about 0.7 of the CPU the program's own
  * threads wanted back, woken a thousand times a second each. Now the same
  * replay held takes about 10 ms of CPU a second, most of it this look and
- * the RSS sampler's. */
+ * the RSS sampler's. The look was a 5-ms sleep, and the others woke every
+ * 0.5 s: beside MariaDB, 9 processes waking every 5 ms on its CPU (as 9
+ * held replays' lookers did) cost it 4% of its transactions (README). */
 static _Atomic int gate_polling;        /* a thread of this process is the one looking */
 static _Atomic uint32_t gate_gen;       /* bumped when it stops looking: the others look again */
 static uint64_t gate_hold(void) {
@@ -490,8 +493,14 @@ static uint64_t gate_hold(void) {
     int none = 0;
     if (atomic_compare_exchange_strong(&gate_polling, &none, 1)) {
       while (*gate && t - t0 < GATE_MAX_HOLD_NS) {
-        struct timespec ts = {0, GATE_POLL_NS};
-        nanosleep(&ts, NULL);
+        /* Shared (not private): learnd's FUTEX_WAKE comes from its own
+         * mapping of the gate. Waits only while the word is what was read,
+         * so an opening between the read and the wait is not slept through. */
+        uint32_t w = __atomic_load_n(gate_word, __ATOMIC_SEQ_CST);
+        if (!*gate) break;
+        uint64_t left = GATE_MAX_HOLD_NS - (t - t0);
+        struct timespec ts = {0, left < (uint64_t)GATE_LOOK_NS ? (long)left : GATE_LOOK_NS};
+        syscall(SYS_futex, gate_word, FUTEX_WAIT, w, &ts, NULL, 0);
         t = now_ns();
       }
       atomic_store(&gate_polling, 0);
@@ -504,7 +513,6 @@ static uint64_t gate_hold(void) {
     uint32_t gen = atomic_load(&gate_gen);
     if (!*gate) break;
     uint64_t left = GATE_MAX_HOLD_NS - (t - t0);
-    if (left > GATE_FOLLOW_NS) left = GATE_FOLLOW_NS;
     struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
     syscall(SYS_futex, (uint32_t*)&gate_gen, FUTEX_WAIT_PRIVATE, gen, &ts, NULL, 0);
     t = now_ns();
@@ -520,10 +528,11 @@ static void open_gate(void) {
   struct stat st;
   if (fstat(fd, &st) != 0) die(2, "%s: %s", gate_what, strerror(errno));
   if (!S_ISREG(st.st_mode) || st.st_size < 1) die(2, "%s: not a regular file of at least one byte", gate_what);
-  void* m = mmap(NULL, 1, PROT_READ, MAP_SHARED, fd, 0);
+  void* m = mmap(NULL, 4, PROT_READ, MAP_SHARED, fd, 0);    /* a page: past a 1-byte file's end, zeros */
   if (m == MAP_FAILED) die(2, "%s: %s", gate_what, strerror(errno));
   if (fd != gate_fd) close(fd);
   gate = m;
+  gate_word = m;
 }
 
 /* A thread that frees or reallocates another thread's object waits until
@@ -894,7 +903,14 @@ static int run_once(int out_fd) {
      * mean RSS under cap=4 drain=100 9.4 MiB ungated, 16.2 gated; under
      * cap=4 warm=0 3.9 and 6.3; the gap between the two, which decides
      * their order, 5.5 MiB against 9.9 (live beside each other: 6.6). */
-    if (atomic_load_explicit(&holding, memory_order_relaxed)) continue;
+    if (atomic_load_explicit(&holding, memory_order_relaxed)) {
+      /* Nothing to sample until the gate opens: this waits for it as the
+       * held threads do (learnd's wake ends it), not every RSS_SAMPLE_NS. */
+      uint32_t w = __atomic_load_n(gate_word, __ATOMIC_SEQ_CST);
+      struct timespec look = {0, GATE_LOOK_NS};
+      if (*gate) syscall(SYS_futex, gate_word, FUTEX_WAIT, w, &look, NULL, 0);
+      continue;
+    }
     rss_sum += (double)statm_rss();
     rss_n++;
   }

@@ -1394,3 +1394,54 @@ def test_under_a_budget_the_replays_faster_candidate_is_tried_once_the_program_i
     priced = make_ctx()
     lrn, knobs, verdicts = run(priced, Sim(priced), fast, sim.truth(fast)["time"])
     assert not any("under the budget now" in d.reason for d in verdicts), verdicts
+
+
+def test_opening_the_gate_wakes_the_replays_held_at_it(tmp_path):
+    """A replay held at learnd's gate sleeps on the gate's first word, and
+    learnd wakes it as it opens the gate (Gate.woken counts the threads
+    woken): held replays do not poll. Polling, the 9 held replays beside
+    MariaDB woke its CPU 1,800 times a second, which alone cost it 4% of its
+    transactions (README)."""
+    import subprocess
+    import time
+
+    from conftest import BUILD, clean_env, scaled, wait_for
+    from hakmem import screen as S
+    from test_replayer import gap_trace
+    if S._SYS_FUTEX is None:
+        pytest.skip(f"futex(2)'s number is not known here ({os.uname().machine}): the replays poll")
+    tr = tmp_path / "gap.trace"
+    gap_trace(tr)
+    program = subprocess.Popen(["sleep", "60"])
+    gate = S.Gate(program.pid)
+    try:
+        gate._stop.set()          # held here by hand, not by the program's bursts
+        gate._thread.join()
+        gate._set(True, time.monotonic())
+        p = subprocess.Popen([str(BUILD / "hakmem-replay"), "--json", "--gate-fd", str(gate.ro), str(tr)],
+                             pass_fds=(gate.ro,), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=clean_env())
+        try:
+            def in_futex():       # the replay's run (its child) is what is held
+                with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+                    kids = f.read().split()
+                for k in kids:
+                    for t in os.listdir(f"/proc/{k}/task"):
+                        with open(f"/proc/{k}/task/{t}/syscall") as f:
+                            if f.read().split()[0] == str(S._SYS_FUTEX):
+                                return True
+                return False
+            wait_for(in_futex, 10, "the replay's run held, asleep on the gate")
+            gate._set(False, time.monotonic())
+            assert gate.woken >= 1, "opening the gate woke no held replay"
+            out, err = p.communicate(timeout=scaled(30))
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, err
+        import json
+        assert json.loads(out)["runs"][0]["ops"] == 200
+    finally:
+        gate.close()
+        program.kill()
+        program.wait()

@@ -86,6 +86,7 @@ static char trace_label[32], policy_label[32], gate_what[PATH_MAX + 16];   /* th
 static const volatile uint8_t* gate;   /* --gate: its first byte nonzero while the watched program runs */
 static uint32_t* gate_word;             /* the 4 bytes from it: the futex learnd wakes at the opening */
 static bool partial, touch_pages = true, json_out, pace_idle = true;
+static bool nice_group;          /* --nice-group */
 static int group_nice = -1;      /* the session's scheduling group's niceness where --nice set it (nice_own_group) */
 static char stuck_arg[32];       /* --stuck-after as given, for the runs */
 #define GAP_NS 1000000u   /* --pace idle: a gap this long in a thread's events is kept */
@@ -1092,8 +1093,8 @@ static void print_text(run_t* runs, int n) {
 static void usage(FILE* f) {
   fprintf(f,
     "usage: hakmem-replay [--policy FILE | --policy-fd N] [--repeat N] [--partial] [--touch pages|none]\n"
-    "                     [--pace idle|none] [--gate FILE | --gate-fd N] [--nice N] [--cpus LIST]\n"
-    "                     [--stuck-after S] [--json]\n"
+    "                     [--pace idle|none] [--gate FILE | --gate-fd N] [--nice N] [--nice-group]\n"
+    "                     [--cpus LIST] [--stuck-after S] [--json]\n"
     "                     TRACE | --trace-fd N\n"
     "\n"
     "Replays an allocation trace (HAKMEM_TRACE, `hakmem trace record`) through hakmem under a fixed\n"
@@ -1121,8 +1122,9 @@ static void usage(FILE* f) {
     "                  thread waits while it is, at most 2 s at a time, and the waits are kept out of the\n"
     "                  pacing, the mean resident memory and the slow-path time (held_s reports them)\n"
     "  --gate-fd N     the same from descriptor N, open and inherited, mapped read-only and shared\n"
-    "  --nice N        run at niceness N (0-19), the runs too; set before anything else is done; where\n"
-    "                  this process leads a session of its own, its scheduling group (autogroup) too\n"
+    "  --nice N        run at niceness N (0-19), the runs too; set before anything else is done\n"
+    "  --nice-group    with --nice, where this process leads a session of its own, its scheduling\n"
+    "                  group (autogroup) too: the group then weighs as little as its tasks\n"
     "  --cpus LIST     run on these CPUs only (\"2-3,6\"), the runs too\n"
     "  --stuck-after S give the replay up as stuck (exit 1) once a thread has waited for another\n"
     "                  thread's object while no thread made one for S seconds (default 60)\n"
@@ -1248,6 +1250,8 @@ int main(int argc, char** argv) {
       long v = strtol(argv[++i], &end, 10);
       if (*end || v < 1 || v > MAX_REPEAT) die(2, "--repeat: expected 1 to %d, not '%s'", MAX_REPEAT, argv[i]);
       repeat = (int)v;
+    } else if (!strcmp(a, "--nice-group")) {
+      nice_group = true;
     } else if (!strcmp(a, "--nice") && i + 1 < argc) {
       char* end;
       long v = strtol(argv[++i], &end, 10);
@@ -1283,7 +1287,7 @@ int main(int argc, char** argv) {
     int now = getpriority(PRIO_PROCESS, 0);          /* never raised back: already nicer is nice enough */
     if ((errno != 0 || now < nice_to) && setpriority(PRIO_PROCESS, 0, nice_to) != 0)
       die(2, "--nice %d: %s", nice_to, strerror(errno));
-    if (run_fd < 0) group_nice = nice_own_group(nice_to);
+    if (run_fd < 0 && nice_group) group_nice = nice_own_group(nice_to);
   }
   /* Dies with its parent (a run is set so by the replay before its exec,
    * which keeps it). The parent seen before the prctl is the one watched:

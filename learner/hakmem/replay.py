@@ -126,7 +126,7 @@ def sealed_copy(name: str, data: bytes) -> int:
 
 def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replayer=None, timeout=None,
                  user: int | None = None, gate=None, runner: Runner | None = None, label: str | None = None,
-                 nice: int | None = None, cpus=None) -> dict:
+                 nice: int | None = None, cpus=None, nice_group: bool = False) -> dict:
     """One replay: the replayer's --json output as a dict. trace: a path, or
     a descriptor (int) the replayer reads without opening a name (learnd's
     private copy, sealed_copy). policy: the knobs to set (a partial dict;
@@ -136,7 +136,8 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
     the owner's Runner (its stop() ends this replay); label: the trace's
     name in messages (default: the path). nice, cpus: the niceness (0-19)
     and the CPUs the replayer and its runs take, set by the replayer itself
-    (the calling thread keeps its own)."""
+    (the calling thread keeps its own); nice_group: the replay's session's
+    scheduling group niced too (screen.py says when)."""
     exe = replayer or find_replayer()
     runner = runner or Runner()
     label = label or str(trace)
@@ -157,7 +158,7 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
             argv += ["--policy-fd", str(pfd)]
         argv += ["--repeat", str(int(repeat)), "--json"]
         if nice is not None:
-            argv += ["--nice", str(int(nice))]
+            argv += ["--nice", str(int(nice))] + (["--nice-group"] if nice_group else [])
         if cpus:
             argv += ["--cpus", ",".join(str(int(c)) for c in sorted(cpus))]
         if partial:
@@ -179,7 +180,7 @@ def run_replayer(trace, policy: dict | None, *, repeat=1, partial=False, replaye
         # (PR_SET_PDEATHSIG), so a killed caller leaves no replay behind.
         # Where the kernel schedules each session as a group (autogroup), a
         # session of its own weighs as much as the program's whatever the
-        # replay's niceness: with --nice the replayer nices its group too.
+        # replay's niceness: with --nice-group the replayer nices its group too.
         # Not under runner.lock: on a machine whose CPUs are taken a replay
         # may wait long for its exec, and stop() (learnd's loop, closing a
         # screening) would wait as long for the lock.

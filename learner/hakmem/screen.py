@@ -770,9 +770,18 @@ class Screen:
             # through the fork of a replay run as another user (no vfork
             # then) on busy CPUs, and learnd's loop waited up to 1.5 s for
             # it in a bench of that alone, seconds in the chaos walk.
+            # Their niceness weighs only inside their session's scheduling
+            # group (autogroup), which weighs as much as the program's: a busy
+            # program's replays nice their group too (07518cc: a nice-0 loop
+            # kept 0.98 of its CPU beside them, 0.52 before). An intermittent
+            # one's, held by the gate while it runs, do not: niced so, beside
+            # a MariaDB busy between its idle seconds, 9 gated replays never
+            # ranked in four 120-s runs, the default in force, 0.75-0.86 times
+            # its transactions (bench/learn_real at 06a6ef0, README).
             res = R.run_replayer(trace_fd, k.to_dict(), repeat=self.repeat, replayer=self.replayer,
                                  timeout=REPLAY_TIMEOUT_S, user=user, gate=gate_fd if gate else None,
-                                 runner=self.runner, label=self.label, nice=REPLAY_NICE, cpus=cpus)
+                                 runner=self.runner, label=self.label, nice=REPLAY_NICE, cpus=cpus,
+                                 nice_group=gate is None)
             return label, k, R.result_of(res, k.to_dict(), facts, self.objective, self.prices)
         # A busy program's default replay goes first, alone: how fast a
         # replay of this trace faults pages bounds how many run at once

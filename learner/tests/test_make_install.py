@@ -193,7 +193,7 @@ def test_the_unit_lets_a_screening_replay_run_as_the_programs_user_niced(dest, t
     # The trace by descriptor, a sealed copy, as learnd hands it over.
     code = ("import sys; from hakmem.replay import run_replayer, sealed_copy; "
             "fd = sealed_copy('trace', open(sys.argv[1], 'rb').read()); "
-            "r = run_replayer(fd, {'drain_ms': 100}, user=65534, nice=19, cpus={0}, replayer=sys.argv[2]); "
+            "r = run_replayer(fd, {'drain_ms': 100}, user=65534, nice=19, cpus={0}, nice_group=True, replayer=sys.argv[2]); "
             "print(r['group_nice'], r['runs'][0]['ops'])")
     r = run(["strace", "-f", "-qq", "-o", log, sys.executable, "-c", code, tr, BUILD / "hakmem-replay"], cwd=tmp_path)
     assert r.stdout.split()[-1] == "200", r.stdout

@@ -583,14 +583,15 @@ def test_a_replay_leading_its_own_session_nices_its_scheduling_group_and_no_othe
     """learnd starts each replay in a session of its own, and where the
     kernel schedules sessions as groups (autogroup) a group weighs the same
     whatever its tasks' niceness: a replay at nice 19 took half a CPU from a
-    program at nice 0. With --nice, a replay that leads its own session
-    nices its group too (JSON: group_nice); one in its caller's session
-    leaves the caller's group as it was."""
+    program at nice 0. With --nice --nice-group, a replay that leads its own
+    session nices its group too (JSON: group_nice); one in its caller's
+    session leaves the caller's group as it was."""
     tr, gate = tmp_path / "gap.trace", tmp_path / "gate"
     gap_trace(tr)
     gate.write_bytes(b"\1")
-    p = subprocess.Popen([str(REPLAY), "--json", "--nice", "19", "--gate", str(gate), str(tr)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True)
+    p = subprocess.Popen([str(REPLAY), "--json", "--nice", "19", "--nice-group", "--gate", str(gate), str(tr)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                         start_new_session=True)
     try:
         wait_for(lambda: autogroup_nice(p.pid) == 19, 10, "the replay's own group niced to 19")
         with open(gate, "r+b") as f:
@@ -603,9 +604,13 @@ def test_a_replay_leading_its_own_session_nices_its_scheduling_group_and_no_othe
     assert json.loads(out)["group_nice"] == 19
     mine = autogroup_nice(os.getpid())
     assert mine < 19, "this test's own group is niced already: it cannot tell"
-    doc = replay_json("--nice", "19", tr)
+    doc = replay_json("--nice", "19", "--nice-group", tr)
     assert doc["group_nice"] is None and autogroup_nice(os.getpid()) == mine
     assert replay_json(tr)["group_nice"] is None
+    # Without --nice-group (learnd's gated replays) the group is left as it is.
+    r = subprocess.run([str(REPLAY), "--json", "--nice", "19", str(tr)], capture_output=True, text=True,
+                       env=clean_env(), start_new_session=True, timeout=scaled(30))
+    assert r.returncode == 0 and json.loads(r.stdout)["group_nice"] is None, r.stderr
 
 
 @pytest.mark.parametrize("kind", ["link", "missing", "empty", "directory", "fifo"])

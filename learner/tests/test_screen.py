@@ -662,10 +662,17 @@ def test_an_intermittent_programs_replays_run_at_most_nine_at_once_per_cpu_they_
                                         for ms in range(10, 170, 10)]
     assert len(pol) == 17
     monkeypatch.setattr(S, "policies", lambda ctx, hot: pol)
-    monkeypatch.setattr(R, "run_replayer", lambda path, knobs, **kw: {
+    grouped = []
+    monkeypatch.setattr(R, "run_replayer", lambda path, knobs, **kw: grouped.append(kw.get("nice_group")) or {
         "runs": [{"counters": {"slow_ns": 1e6}, "minflt": 10, "os_calls": 1, "cpu_s": 0.01,
                   "wall_s": 0.01, "mean_rss_bytes": 1 << 20}], "policy": {}})
     from hakmem.objective import Objective, Prices
+    # A busy program's replays nice their scheduling group too; gated ones
+    # do not (screen.py, "Their niceness weighs only inside ...").
+    s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices(fault_s=1e-6, syscall_s=1e-6), jobs=24)
+    s.trace_fd, s.uid = os.open(trace, os.O_RDONLY), os.geteuid()
+    assert len(s._replay_all()) == 17 and grouped == [True] * 17, grouped
+    grouped.clear()
     for cpus, want in (({1}, 9), ({2, 3}, 18), (None, 9 * len(os.sched_getaffinity(0)))):
         monkeypatch.setattr(S, "replay_cpus", lambda cpus=cpus: cpus)
         s = Screen(ctx, "/nonexistent", Objective(lam=0.5), Prices(fault_s=1e-6, syscall_s=1e-6), jobs=24)
@@ -674,6 +681,7 @@ def test_an_intermittent_programs_replays_run_at_most_nine_at_once_per_cpu_they_
         ranked_ = s._replay_all()
         assert len(ranked_) == 17 and s.jobs_run == min(17, want), (cpus, s.jobs_run)
         assert f"{min(17, want)} at once" in s.describe(ranked_)
+    assert grouped == [False] * 17 * 3, grouped
 
 
 def _fake_trace(tmp_path, ctx, monkeypatch, duration_s):

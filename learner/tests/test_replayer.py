@@ -574,7 +574,11 @@ def test_nice_and_cpus_are_the_replays_own_and_its_runs(tmp_path):
 
 
 def autogroup_nice(pid):
-    return int(open(f"/proc/{pid}/autogroup").read().split()[-1])
+    """The niceness of pid's scheduling group, or None where pid is in no
+    autogroup of its own: the kernel prints nothing for a task still in
+    init's session (the root group), as a CI runner's tests may be."""
+    words = open(f"/proc/{pid}/autogroup").read().split()
+    return int(words[-1]) if words else None
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"),
@@ -603,7 +607,7 @@ def test_a_replay_leading_its_own_session_nices_its_scheduling_group_and_no_othe
             p.kill()
     assert json.loads(out)["group_nice"] == 19
     mine = autogroup_nice(os.getpid())
-    assert mine < 19, "this test's own group is niced already: it cannot tell"
+    assert mine is None or mine < 19, "this test's own group is niced already: it cannot tell"
     doc = replay_json("--nice", "19", "--nice-group", tr)
     assert doc["group_nice"] is None and autogroup_nice(os.getpid()) == mine
     assert replay_json(tr)["group_nice"] is None

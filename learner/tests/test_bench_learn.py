@@ -134,3 +134,46 @@ def test_quick_run_pairs_spikes_and_not_burst(tmp_path):
     (b0, b1), (c0, c1) = span(burst["runs"]["best-static"]), span(burst["runs"]["learnd-cold"])
     assert b1 <= c0 and "side_by_side" not in burst
     assert "paired_windows" not in burst["targets"]["cold_vs_best"]
+
+
+BURNER = r"""
+#include <pthread.h>
+#include <time.h>
+static double cpu(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+static void* burn(void* a) {
+  (void)a;
+  volatile unsigned long x = 0;
+  while (cpu() < 0.3) x++;
+  return 0;
+}
+__attribute__((constructor)) static void start(void) {
+  pthread_t t;
+  pthread_create(&t, 0, burn, 0);
+  pthread_detach(t);
+}
+"""
+
+
+def test_a_threads_the_allocator_starts_count_in_the_workloads_busy_time(tmp_path):
+    """hakmem's decay thread gives memory back off the workers' clocks, so a
+    drain policy looked free of what warm=0 pays on the worker's own (bench-
+    learn's spikes: cap=4 drain=100 and cap=4 warm=0 1.6% apart before, 10%
+    after). A library that starts a thread burning 0.3 s of CPU stands in for
+    it: the workload's busy time must hold those 0.3 s."""
+    wl = BUILD / "bench" / "learn_workload"
+    if not wl.exists():
+        pytest.skip(f"{wl} missing (make tests)")
+    src, so = tmp_path / "burner.c", tmp_path / "burner.so"
+    src.write_text(BURNER)
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(so), str(src)], check=True)
+    r = subprocess.run([str(wl), "spikes", "2", "42", "spike_mib=4"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "LD_PRELOAD": str(so)}, timeout=scaled(30))
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout.splitlines()[-1])
+    assert done["done"] and 0.28 <= done["busy"] < 0.6, done
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert all(a["busy"] <= b["busy"] for a, b in zip(lines, lines[1:])), "busy went back"
